@@ -1,0 +1,367 @@
+"""Per-request block tables over the BlockPool: prefix reuse, fork/copy-on-write and swap maps.
+
+The manager accounts; it never touches tensors. Every physical copy it needs (a COW copy, a
+swap in either direction) is returned or queued as (src, dst) block pairs for the runner to
+carry out in one batched operation per step. Operations that cannot be satisfied raise a
+``CacheError`` (or return False for the scheduler's "would it fit" questions) and leave the
+state unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvledger.cache.block_pool import BlockPool, hash_block
+from kvledger.errors import CacheError, OutOfBlocksError
+from kvledger.ledger.snapshot import LedgerSnapshot, RequestBlocks
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _RequestBlocks:
+    block_table: list[int] = field(default_factory=list)  # -1 where the block is on the host
+    num_tokens: int = 0  # token slots the table covers (computed + scheduled)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    salt: str | None = None
+    host_blocks: dict[int, int] = field(default_factory=dict)  # logical idx -> host block
+
+    @property
+    def swapped(self) -> bool:
+        return bool(self.host_blocks)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        bytes_per_token: int = 0,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+    ) -> None:
+        if block_size <= 0:
+            raise CacheError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.bytes_per_token = bytes_per_token
+        self.bytes_per_block = bytes_per_token * block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
+        self.requests: dict[str, _RequestBlocks] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        # Counters the ledger and the metrics read (vLLM's names where they exist).
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # prompt tokens served from cached blocks
+        self.num_cow_copies = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free_blocks if self.host_pool else 0
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._get(request_id).block_table
+
+    def is_swapped(self, request_id: str) -> bool:
+        return self._get(request_id).swapped
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self._get(request_id).block_table)
+
+    def _get(self, request_id: str) -> _RequestBlocks:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise CacheError(f"unknown request {request_id!r}") from None
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def get_computed_blocks(
+        self, token_ids: list[int], salt: str | None = None
+    ) -> tuple[list[int], int]:
+        """Longest run of cached full blocks that starts the prompt: (block ids, tokens).
+
+        At least one prompt token is always left to compute, since its logits start decoding.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (len(token_ids) - 1) // bs
+        hits: list[int] = []
+        parent_hash: int | None = None
+        parent_id: int | None = None
+        for i in range(max_blocks):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = hash_block(parent_hash, tokens, salt if i == 0 else None)
+            block_id = self.pool.lookup(h, tokens, parent_id)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent_hash, parent_id = h, block_id
+        return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_prompt_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    # -- allocation -------------------------------------------------------------------------
+    def blocks_needed(
+        self, request_id: str, num_new_tokens: int, computed_blocks: list[int] = ()
+    ) -> int:
+        """Free blocks an ``allocate_slots`` call with these arguments would consume."""
+        req = self.requests.get(request_id)
+        bs = self.block_size
+        if req is None:
+            total = len(computed_blocks) * bs + num_new_tokens
+            revived = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+            return cdiv(total, bs) - len(computed_blocks) + revived
+        total = req.num_tokens + num_new_tokens
+        need = max(0, cdiv(total, bs) - len(req.block_table))
+        if self._needs_cow(req) and num_new_tokens > 0:
+            need += 1
+        return need
+
+    def _needs_cow(self, req: _RequestBlocks) -> bool:
+        """The next write lands in a shared, partly filled block."""
+        if req.num_tokens % self.block_size == 0 or not req.block_table:
+            return False
+        last = req.block_table[(req.num_tokens - 1) // self.block_size]
+        return last >= 0 and self.pool.blocks[last].ref_cnt > 1
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        computed_blocks: list[int] = (),
+        salt: str | None = None,
+    ) -> bool:
+        """Make the block table cover ``num_new_tokens`` more tokens; False if they don't fit.
+
+        For a new request, ``computed_blocks`` (from ``get_computed_blocks``) become the head
+        of its table by reference. A write into a shared partial block is preceded by a COW
+        copy, queued for ``take_block_copies``.
+        """
+        if num_new_tokens < 0:
+            raise CacheError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        req = self.requests.get(request_id)
+        if req is not None and req.swapped:
+            raise CacheError(f"request {request_id!r} is swapped out; swap it in first")
+        if self.blocks_needed(request_id, num_new_tokens, computed_blocks) > self.num_free_blocks:
+            return False
+        if req is None:
+            req = self.requests[request_id] = _RequestBlocks(salt=salt)
+            for b in computed_blocks:
+                self.pool.touch(b)
+            req.block_table.extend(computed_blocks)
+            req.num_tokens = len(computed_blocks) * self.block_size
+            # Hashes of reused blocks are recomputed lazily by cache_blocks from token ids.
+        if num_new_tokens == 0:
+            return True
+        if self._needs_cow(req):
+            idx = (req.num_tokens - 1) // self.block_size
+            src = req.block_table[idx]
+            (dst,) = self.pool.allocate(1)
+            self.pool.free([src])
+            req.block_table[idx] = dst
+            self._pending_copies.append((src, dst))
+            self.num_cow_copies += 1
+        total = req.num_tokens + num_new_tokens
+        extra = cdiv(total, self.block_size) - len(req.block_table)
+        if extra > 0:
+            req.block_table.extend(self.pool.allocate(extra))
+        req.num_tokens = total
+        return True
+
+    def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Publish the request's blocks that became full (and computed) under their hashes."""
+        if not self.enable_prefix_caching:
+            return
+        req = self._get(request_id)
+        bs = self.block_size
+        num_full = min(num_computed_tokens, len(token_ids)) // bs
+        parent_hash = req.block_hashes[-1] if req.block_hashes else None
+        for i in range(len(req.block_hashes), num_full):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = hash_block(parent_hash, tokens, req.salt if i == 0 else None)
+            parent_id = req.block_table[i - 1] if i > 0 else None
+            self.pool.register_full_block(req.block_table[i], h, tokens, parent_id)
+            req.block_hashes.append(h)
+            parent_hash = h
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent; the first write into a shared
+        partial block copies it (copy-on-write)."""
+        parent = self._get(parent_id)
+        if child_id in self.requests:
+            raise CacheError(f"request {child_id!r} already has blocks")
+        if parent.swapped:
+            raise CacheError(f"cannot fork swapped-out request {parent_id!r}")
+        for b in parent.block_table:
+            self.pool.touch(b)
+        self.requests[child_id] = _RequestBlocks(
+            block_table=list(parent.block_table),
+            num_tokens=parent.num_tokens,
+            block_hashes=list(parent.block_hashes),
+            salt=parent.salt,
+        )
+
+    def free(self, request_id: str) -> None:
+        """Return every block of the request, tail first (so the tail is evicted first)."""
+        req = self._get(request_id)
+        del self.requests[request_id]
+        self.pool.free([b for b in reversed(req.block_table) if b >= 0])
+        if req.host_blocks:
+            self.host_pool.free(list(req.host_blocks.values()))
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the table to cover ``num_tokens`` (drops slots reserved but never used)."""
+        req = self._get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < len(req.block_table):
+            self.pool.free(list(reversed(req.block_table[keep:])))
+            del req.block_table[keep:]
+        req.num_tokens = min(req.num_tokens, num_tokens)
+        del req.block_hashes[num_tokens // self.block_size :]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    # -- swap ---------------------------------------------------------------------------
+    def _private_blocks(self, req: _RequestBlocks) -> list[int]:
+        """Logical indices whose device block only this request holds.
+
+        Shared blocks stay resident: moving them frees no device memory, and their other
+        holders keep using them. So nothing shared is ever copied twice.
+        """
+        return [i for i, b in enumerate(req.block_table) if b >= 0 and self.pool.blocks[b].ref_cnt == 1]
+
+    def can_swap_out(self, request_id: str) -> bool:
+        req = self._get(request_id)
+        return self.host_pool is not None and len(self._private_blocks(req)) <= self.num_free_host_blocks
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+        """Move the request's private blocks to the host pool: (device, host) pairs to copy."""
+        req = self._get(request_id)
+        if req.swapped:
+            raise CacheError(f"request {request_id!r} is already swapped out")
+        idx = self._private_blocks(req)
+        if self.host_pool is None or len(idx) > self.num_free_host_blocks:
+            raise OutOfBlocksError(
+                f"host swap pool has {self.num_free_host_blocks} free blocks, need {len(idx)}"
+            )
+        host = self.host_pool.allocate(len(idx))
+        pairs = []
+        for i, h in zip(idx, host):
+            pairs.append((req.block_table[i], h))
+            req.host_blocks[i] = h
+            req.block_table[i] = -1
+        # Device blocks go back to the pool (their prefix hash stays: still reusable).
+        self.pool.free([d for d, _ in reversed(pairs)])
+        return pairs
+
+    def can_swap_in(self, request_id: str) -> bool:
+        return len(self._get(request_id).host_blocks) <= self.num_free_blocks
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+        """Bring a swapped request's blocks back: (host, device) pairs to copy."""
+        req = self._get(request_id)
+        if not req.swapped:
+            raise CacheError(f"request {request_id!r} is not swapped out")
+        n = len(req.host_blocks)
+        if n > self.num_free_blocks:
+            raise OutOfBlocksError(f"need {n} free KV blocks to swap in, only {self.num_free_blocks}")
+        dev = self.pool.allocate(n)
+        pairs = []
+        for (i, h), d in zip(sorted(req.host_blocks.items()), dev):
+            req.block_table[i] = d
+            pairs.append((h, d))
+        self.host_pool.free([h for h, _ in pairs])
+        req.host_blocks.clear()
+        # The new device copies are private; re-publish full ones lazily via cache_blocks.
+        req.block_hashes = req.block_hashes[: self._first_moved(pairs, req)]
+        return pairs
+
+    def _first_moved(self, pairs: list[tuple[int, int]], req: _RequestBlocks) -> int:
+        moved = {d for _, d in pairs}
+        for i, b in enumerate(req.block_table):
+            if b in moved:
+                return i
+        return len(req.block_table)
+
+    # -- the ledger -----------------------------------------------------------------------
+    def ledger(self) -> LedgerSnapshot:
+        """A snapshot of the live pool, computed from the same state the scheduler uses."""
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        per_request = {}
+        for rid, req in self.requests.items():
+            private = shared = 0
+            for i, b in enumerate(req.block_table):
+                if b < 0:
+                    continue
+                n = min(bs, req.num_tokens - i * bs)
+                fill[b] = max(fill.get(b, 0), n)
+                if self.pool.blocks[b].ref_cnt > 1:
+                    shared += 1
+                else:
+                    private += 1
+            per_request[rid] = RequestBlocks(
+                num_tokens=req.num_tokens,
+                blocks=private + shared,
+                private_blocks=private,
+                shared_blocks=shared,
+                swapped_blocks=len(req.host_blocks),
+            )
+        used = self.pool.num_used_blocks
+        tokens_stored = sum(fill.values())
+        shared_blocks = sum(1 for b in self.pool.blocks if b.ref_cnt > 1)
+        cached = self.pool.num_cached_free
+        return LedgerSnapshot(
+            total_blocks=self.pool.num_blocks,
+            used_blocks=used,
+            free_blocks=self.pool.num_free_blocks - cached,
+            cached_blocks=cached,
+            block_size=bs,
+            bytes_per_token=self.bytes_per_token,
+            bytes_per_block=self.bytes_per_block,
+            tokens_stored=tokens_stored,
+            shared_blocks=shared_blocks,
+            utilization=tokens_stored / (used * bs) if used else 1.0,
+            usage=used / self.pool.num_blocks,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            cow_copies=self.num_cow_copies,
+            host_total_blocks=self.host_pool.num_blocks if self.host_pool else 0,
+            swapped_blocks=self.host_pool.num_used_blocks if self.host_pool else 0,
+            requests=per_request,
+        )
+
+    def check_invariants(self) -> None:
+        """Ref counts equal the number of holders; host blocks are held exactly once."""
+        self.pool.check_invariants()
+        holders: dict[int, int] = {}
+        host_holders: dict[int, int] = {}
+        for req in self.requests.values():
+            assert len(req.block_table) == cdiv(req.num_tokens, self.block_size), req
+            for b in req.block_table:
+                if b >= 0:
+                    holders[b] = holders.get(b, 0) + 1
+            for h in req.host_blocks.values():
+                host_holders[h] = host_holders.get(h, 0) + 1
+        for blk in self.pool.blocks:
+            assert blk.ref_cnt == holders.get(blk.block_id, 0), (blk, holders.get(blk.block_id))
+        if self.host_pool:
+            self.host_pool.check_invariants()
+            for blk in self.host_pool.blocks:
+                assert blk.ref_cnt == host_holders.get(blk.block_id, 0)

@@ -1,0 +1,299 @@
+"""`kvledger plan`: how many KV blocks, tokens and concurrent requests a model gets on a device.
+
+Everything comes from kvledger.ledger.accounting, the same arithmetic the engine sizes its pool
+with; this module only parses flags and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvledger.errors import ConfigError
+from kvledger.ledger.accounting import (
+    KV_DTYPE_BYTES,
+    CapacityPlan,
+    DoesNotFitError,
+    ModelSpec,
+    format_bytes,
+    kv_bytes_per_token,
+    load_model_spec,
+    naive_vs_paged,
+    parse_size,
+    plan_capacity,
+)
+
+AUTO_TP_CANDIDATES = (1, 2, 4, 8)
+SAMPLE_SIZE, SAMPLE_MEDIAN, SAMPLE_SIGMA, SAMPLE_SEED = 256, 300, 1.0, 0
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="plan KV-cache capacity for a model on a device",
+        description="Plan KV-cache capacity: bytes per token and block, blocks and tokens in the "
+        "pool, concurrent requests at a context length, naive vs paged utilisation, and the "
+        "MHA/GQA/MQA trade-off. Sizes take GiB/MiB (binary) or GB/MB (decimal) or plain bytes.",
+    )
+    p.add_argument(
+        "--model",
+        default="seed-70b",
+        help="preset name, model folder or config.json (default: seed-70b, the 70B "
+        "GQA-8 fp16 example)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", *KV_DTYPE_BYTES],
+        help="KV storage format; fp8/int8/fp8_int8 add one fp16 scale per token per "
+        "KV head for K and V (default: auto = model dtype)",
+    )
+    p.add_argument("--device-memory", default="80GiB", help="memory per device (default: 80GiB)")
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.9,
+        help="share of device memory kvledger may use, 0 < f <= 1 (default: 0.9)",
+    )
+    p.add_argument(
+        "--weight-bytes",
+        help="total weight size, overriding the model's parameter "
+        "count or checkpoint (split across --tp ranks)",
+    )
+    p.add_argument(
+        "--activation-reserve",
+        default="0",
+        help="per-device memory kept for activations (default: 0)",
+    )
+    p.add_argument(
+        "--tp",
+        default="auto",
+        help="tensor-parallel ranks, or 'auto': the smallest of 1/2/4/8 that fits (default: auto)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    p.add_argument(
+        "--context-len",
+        type=int,
+        help="request length for concurrency (default: the model's max positions)",
+    )
+    p.add_argument(
+        "--kv-sink-tokens",
+        type=int,
+        default=4,
+        help="tokens kept in model dtype per request with a quantised KV (default: 4)",
+    )
+    p.add_argument(
+        "--kv-recent-tokens",
+        type=int,
+        default=0,
+        help="recent-window tokens kept in model dtype with a quantised KV (default: 0)",
+    )
+    p.add_argument(
+        "--lengths",
+        help="request lengths for naive vs paged utilisation: '300,1200,57' or @FILE "
+        f"(numbers separated by commas or whitespace). Default: a fixed sample of "
+        f"{SAMPLE_SIZE} log-normal lengths (median {SAMPLE_MEDIAN}, sigma "
+        f"{SAMPLE_SIGMA}, seed {SAMPLE_SEED}) clipped to 1..context length",
+    )
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def sample_lengths(context_len: int) -> list[int]:
+    """A deterministic chat-like mix: most requests short, a long tail up to the context."""
+    rng = random.Random(SAMPLE_SEED)
+    return [
+        min(context_len, max(1, round(rng.lognormvariate(0, SAMPLE_SIGMA) * SAMPLE_MEDIAN)))
+        for _ in range(SAMPLE_SIZE)
+    ]
+
+
+def parse_lengths(text: str) -> list[int]:
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read lengths file {text[1:]!r}: {e}") from None
+    items = text.replace(",", " ").split()
+    try:
+        lengths = [int(x) for x in items]
+    except ValueError:
+        raise ConfigError(
+            f"--lengths must be integers separated by commas, got {text[:60]!r}"
+        ) from None
+    if not lengths:
+        raise ConfigError("--lengths is empty")
+    return lengths
+
+
+def _plan(spec: ModelSpec, args: argparse.Namespace, tp: int, **kw: Any) -> CapacityPlan:
+    return plan_capacity(
+        spec,
+        kw["device"],
+        args.memory_fraction,
+        weight_bytes=kw["weights"],
+        tp=tp,
+        block_size=args.block_size,
+        context_len=args.context_len,
+        kv_dtype=args.kv_dtype,
+        activation_reserve_bytes=kw["reserve"],
+        kv_sink_tokens=args.kv_sink_tokens,
+        kv_recent_tokens=args.kv_recent_tokens,
+    )
+
+
+def _auto_tp(spec: ModelSpec, args: argparse.Namespace, **kw: Any) -> CapacityPlan:
+    """The smallest TP degree that holds one context-length request; the last error otherwise."""
+    error: DoesNotFitError | None = None
+    for tp in AUTO_TP_CANDIDATES:
+        if spec.num_attention_heads % tp == 0:
+            try:
+                return _plan(spec, args, tp, **kw)
+            except DoesNotFitError as e:
+                error = e
+    raise ConfigError(f"{error} [tried tp = {', '.join(map(str, AUTO_TP_CANDIDATES))}]")
+
+
+def heads_comparison(
+    spec: ModelSpec, args: argparse.Namespace, tp: int, **kw: Any
+) -> list[dict[str, Any]]:
+    """The same model with MHA, GQA and MQA KV heads: the cheapest cut is fewer KV heads."""
+    heads = spec.num_attention_heads
+    counts = {heads, spec.num_kv_heads, 1} | ({8} if heads % 8 == 0 and heads > 8 else set())
+    rows = []
+    for kv in sorted(counts, reverse=True):
+        variant = replace(spec, num_kv_heads=kv)
+        try:
+            concurrency = _plan(variant, args, tp, **kw).max_concurrency
+        except ConfigError:
+            concurrency = 0
+        rows.append(
+            {
+                "scheme": "MHA" if kv == heads else "MQA" if kv == 1 else "GQA",
+                "num_kv_heads": kv,
+                "this_model": kv == spec.num_kv_heads,
+                "bytes_per_token": kv_bytes_per_token(variant, args.kv_dtype, tp).total,
+                "max_concurrency": concurrency,
+            }
+        )
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_model_spec(args.model)
+    kw = {
+        "device": parse_size(args.device_memory),
+        "reserve": parse_size(args.activation_reserve),
+        "weights": None if args.weight_bytes is None else parse_size(args.weight_bytes),
+    }
+    for flag, value in [("--block-size", args.block_size), ("--context-len", args.context_len)]:
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be positive, got {value}")
+    if args.tp == "auto":
+        plan = _auto_tp(spec, args, **kw)
+    else:
+        try:
+            tp = int(args.tp)
+        except ValueError:
+            raise ConfigError(
+                f"--tp must be a positive integer or 'auto', got {args.tp!r}"
+            ) from None
+        plan = _plan(spec, args, tp, **kw)
+    given = args.lengths is not None
+    lengths = parse_lengths(args.lengths) if given else sample_lengths(plan.context_len)
+    util = naive_vs_paged(lengths, plan.context_len, plan.block_size, plan.bytes_per_token)
+    figures = {
+        **plan.to_dict(),
+        **util,
+        "request_cost_bytes": plan.request_cost_bytes(plan.context_len),
+        "lengths_source": "given" if given else "sample",
+        "heads_comparison": heads_comparison(spec, args, plan.tp, **kw),
+    }
+    if args.json:
+        print(json.dumps(figures, indent=2))
+    else:
+        _print_table(spec, plan, figures)
+    return 0
+
+
+def _print_table(spec: ModelSpec, plan: CapacityPlan, f: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(
+        title=f"kvledger plan: {spec.name} on {format_bytes(plan.device_memory_bytes)} x {plan.tp}",
+        show_header=False,
+    )
+    t.add_column(style="bold")
+    t.add_column()
+    n = plan.context_len
+    rows = [
+        (
+            "model",
+            f"{spec.num_layers} layers, {spec.num_attention_heads}q/{spec.num_kv_heads}kv "
+            f"heads x {spec.head_dim}, {spec.dtype}",
+        ),
+        (
+            "kv dtype / tp",
+            f"{plan.kv_dtype}, tp={plan.tp} ({plan.kv_heads_per_rank} kv heads per rank)",
+        ),
+        (
+            "KV bytes / token",
+            f"{plan.bytes_per_token:,} B = data {plan.data_bytes_per_token:,} "
+            f"+ scales {plan.scale_bytes_per_token:,}",
+        ),
+        (
+            f"KV bytes / block ({plan.block_size} tok)",
+            f"{plan.bytes_per_block:,} B = {format_bytes(plan.bytes_per_block)}",
+        ),
+        ("weights per rank", f"{format_bytes(plan.weight_bytes)} [{plan.weight_source}]"),
+        (
+            "usable memory",
+            f"{format_bytes(plan.device_memory_bytes * plan.memory_fraction)} "
+            f"({plan.memory_fraction:g} of device)",
+        ),
+        ("KV budget", format_bytes(plan.kv_budget_bytes)),
+        ("blocks / tokens", f"{plan.num_blocks:,} blocks = {plan.max_tokens:,} tokens"),
+        (
+            f"one {n:,}-token request",
+            f"{format_bytes(f['request_cost_bytes'])} "
+            f"({plan.blocks_per_request:,} blocks)"
+            + (
+                f" + {format_bytes(plan.per_request_overhead_bytes)} sink/recent copy"
+                if plan.per_request_overhead_bytes
+                else ""
+            ),
+        ),
+        (
+            f"max concurrency @ {n:,}",
+            f"{plan.max_concurrency:,} request" + "s" * (plan.max_concurrency != 1),
+        ),
+        (
+            "utilisation, naive / paged",
+            f"{f['naive_utilization']:.1%} / "
+            f"{f['paged_utilization']:.1%} ({f['num_requests']} {f['lengths_source']} lengths)",
+        ),
+        (
+            "reserved, naive / paged",
+            f"{format_bytes(f['naive_reserved_bytes'])} / "
+            f"{format_bytes(f['paged_reserved_bytes'])}",
+        ),
+    ]
+    for row in rows:
+        t.add_row(*row)
+    h = Table(title="KV heads: the same model with MHA / GQA / MQA")
+    for col in ("scheme", "kv heads", "KV / token", f"concurrency @ {n:,}"):
+        h.add_column(col, justify="left" if col == "scheme" else "right")
+    for r in f["heads_comparison"]:
+        h.add_row(
+            r["scheme"] + (" (this model)" if r["this_model"] else ""),
+            str(r["num_kv_heads"]),
+            format_bytes(r["bytes_per_token"]),
+            f"{r['max_concurrency']:,}",
+        )
+    console = Console()
+    console.print(t)
+    console.print(h)

@@ -1,0 +1,92 @@
+"""Engine configuration: plain dataclasses, validated once at the edge with clear messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvledger.errors import ConfigError
+
+KV_CACHE_DTYPES = ("auto", "fp8", "int8", "fp8_int8")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+VICTIM_POLICIES = ("remaining", "fcfs", "priority")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"  # auto | swap | recompute
+    victim_policy: str = "remaining"  # remaining (with aging) | fcfs (newest first) | priority
+    recompute_threshold: int | None = None  # override: recompute below this many tokens
+    max_preemptions_before_protect: int = 3  # after this many, a request is evicted last
+    watermark_blocks: int = 0  # blocks kept free at admission so decodes rarely preempt
+
+    def validate(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len)
+        _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _choice("victim_policy", self.victim_policy, VICTIM_POLICIES)
+        if self.recompute_threshold is not None and self.recompute_threshold < 0:
+            raise ConfigError("recompute_threshold must be >= 0")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "max_num_batched_tokens must be >= max_model_len when chunked prefill is off"
+            )
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size from kv_cache_memory / the ledger
+    kv_cache_memory: int | None = None  # bytes for the device KV pool
+    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    kv_sink_tokens: int = 4
+    kv_recent_tokens: int = 0
+
+    def validate(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ConfigError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory is not None:
+            _positive("kv_cache_memory", self.kv_cache_memory)
+        if self.swap_space < 0:
+            raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_sink_tokens < 0 or self.kv_recent_tokens < 0:
+            raise ConfigError("kv_sink_tokens and kv_recent_tokens must be >= 0")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    tokenizer: str | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    calibrate_preemption: bool = True  # measure copy bandwidth / prefill rate at start-up
+    swap_bandwidth: float | None = None  # bytes/s override for the cost model
+    prefill_cost: tuple[float, float, float] | None = None  # (c0, c1, c2) seconds override
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        self.scheduler.validate()
+        self.cache.validate()
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

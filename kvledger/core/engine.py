@@ -1,0 +1,383 @@
+"""step(): schedule -> execute -> sample -> update. The one loop every front end drives."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv
+from kvledger.config import EngineConfig
+from kvledger.core.model_runner import ModelRunner, RunnerOutput
+from kvledger.core.preemption import PreemptionCostModel
+from kvledger.core.request import Request, RequestStatus
+from kvledger.core.scheduler import Scheduler, SchedulerOutput
+from kvledger.errors import ConfigError, InvalidRequestError
+from kvledger.ledger.accounting import ModelSpec, kv_bytes_per_token
+from kvledger.ledger.snapshot import LedgerSnapshot
+from kvledger.model.kv_cache import HostKVPool, KVCachePool
+from kvledger.model.loader import load_model, load_tokenizer
+from kvledger.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvledger.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvledger")
+
+_GiB = 1 << 30
+
+
+@dataclass
+class _Group:
+    """A user request: one sequence, or n > 1 forked sequences sharing a prompt."""
+
+    request_id: str
+    prompt: str | None
+    seqs: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = torch.device(config.device)
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        self.model = loaded.model
+        self.model_dtype = loaded.dtype
+        self.hf_config = loaded.hf_config
+        self.eos_token_ids = tuple(loaded.eos_token_ids)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        sc, cc = config.scheduler, config.cache
+        model_max = loaded.max_model_len
+        if sc.max_model_len > model_max:
+            logger.info("max_model_len %d capped to the model's %d", sc.max_model_len, model_max)
+            sc.max_model_len = model_max
+        self.max_model_len = sc.max_model_len
+
+        self.spec = ModelSpec.from_hf_config(self.hf_config, name=str(config.model))
+        kv_dtype = _plan_kv_dtype(cc.kv_cache_dtype, self.model_dtype)
+        self.bytes_per_token = kv_bytes_per_token(self.spec, kv_dtype).total
+        bytes_per_block = self.bytes_per_token * cc.block_size
+        num_blocks = cc.num_kv_blocks or self._size_pool(bytes_per_block)
+        self.kv_pool = KVCachePool(
+            num_layers=self.spec.num_layers,
+            num_blocks=num_blocks,
+            block_size=cc.block_size,
+            num_kv_heads=self.spec.num_kv_heads,
+            head_dim=self.spec.head_dim,
+            dtype=self.model_dtype,
+            device=self.device,
+        )
+        num_host_blocks = min(int(cc.swap_space * _GiB) // bytes_per_block, num_blocks)
+        if sc.preemption_mode == "recompute":
+            num_host_blocks = 0
+        self.host_pool = HostKVPool(num_host_blocks, self.kv_pool) if num_host_blocks else None
+        self.kv = KVCacheManager(
+            num_blocks,
+            cc.block_size,
+            bytes_per_token=self.bytes_per_token,
+            enable_prefix_caching=cc.enable_prefix_caching,
+            num_host_blocks=num_host_blocks,
+        )
+        self.cost_model = PreemptionCostModel(
+            mode=sc.preemption_mode, recompute_threshold=sc.recompute_threshold
+        )
+        self.scheduler = Scheduler(sc, self.kv, self.cost_model)
+        self.runner = ModelRunner(
+            self.model, self.kv_pool, self.host_pool, self.kv, self.device, seed=config.seed
+        )
+        if config.swap_bandwidth:
+            self.cost_model.swap_bandwidth = config.swap_bandwidth
+        if config.prefill_cost:
+            self.cost_model.prefill_coeffs = tuple(config.prefill_cost)
+        if (
+            config.calibrate_preemption
+            and sc.preemption_mode == "auto"
+            and sc.recompute_threshold is None
+            and not (config.swap_bandwidth and config.prefill_cost)
+        ):
+            from kvledger.core.calibration import calibrate_cost_model
+
+            calibrate_cost_model(self)
+        self.groups: dict[str, _Group] = {}
+        self._counter = itertools.count()
+        self.swap_stats = {"out_blocks": 0, "in_blocks": 0, "out_s": 0.0, "in_s": 0.0}
+        self.num_generated_tokens = 0
+        self.stream_outputs = False  # True: step() reports every updated request (servers)
+
+    # -- sizing -------------------------------------------------------------------------------
+    def _size_pool(self, bytes_per_block: int) -> int:
+        """Blocks from the memory budget, never more than max_num_seqs full contexts need."""
+        cc, sc = self.config.cache, self.config.scheduler
+        budget = cc.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.9)
+            else:
+                budget = min(4 * _GiB, int(_mem_available() * 0.2))
+        useful = sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size)
+        num_blocks = min(budget // bytes_per_block, useful)
+        if num_blocks < cdiv(self.max_model_len, cc.block_size) and num_blocks < 1:
+            raise ConfigError(
+                f"KV memory budget of {budget} bytes holds no block of {bytes_per_block} bytes"
+            )
+        return max(1, num_blocks)
+
+    # -- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            bad = next(t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
+            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens, but the model's context is "
+                f"{self.max_model_len} tokens (max_model_len) including at least one output token"
+            )
+        need = cdiv(len(token_ids) + 1, self.kv.block_size)
+        if need > self.kv.pool.num_blocks:
+            raise InvalidRequestError(
+                f"prompt of {len(token_ids)} tokens needs {need} KV blocks; the pool only has "
+                f"{self.kv.pool.num_blocks}"
+            )
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenize(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self.validate_prompt(token_ids)
+        rid = request_id if request_id is not None else str(next(self._counter))
+        if rid in self.groups:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        parent = self._new_seq(rid, token_ids, params, arrival, priority, 0)
+        children = [
+            self._new_seq(f"{rid}#{i}", token_ids, params, arrival, priority, i)
+            for i in range(1, params.n)
+        ]
+        parent.children = children
+        for c in children:
+            c.parent_id = rid
+        self.groups[rid] = _Group(rid, text, [parent, *children])
+        self.scheduler.add_request(parent)
+        return rid
+
+    def _new_seq(
+        self, rid: str, token_ids: list[int], params: SamplingParams, arrival: float, prio: int, i: int
+    ) -> Request:
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(token_ids),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival,
+            priority=prio,
+            max_total_tokens=self.max_model_len,
+            index=i,
+        )
+        if params.seed is not None:
+            req.generator = torch.Generator().manual_seed(params.seed + 1_000_003 * i)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.seqs:
+            if not seq.is_finished:
+                if seq.status is RequestStatus.WAITING and seq.parent_id and seq.request_id not in self.scheduler.requests:
+                    seq.status = RequestStatus.FINISHED  # an unforked child
+                    seq.finish_reason = "abort"
+                else:
+                    self.scheduler.finish_request(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        ro = self.runner.execute(so) if (so.scheduled or so.blocks_to_copy or so.blocks_to_swap_out or so.blocks_to_swap_in) else RunnerOutput()
+        self._account_swaps(so, ro)
+        now = time.monotonic()
+        touched: set[str] = set()
+        for s in so.scheduled:
+            req = s.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if req.request_id in ro.prompt_logprobs:
+                req.prompt_logprobs.extend(ro.prompt_logprobs[req.request_id])
+            if req.request_id not in ro.sampled:
+                continue
+            children = req.children if req.num_output_tokens == 0 else []
+            if children:
+                req.children = []
+                for child in children:
+                    if child.is_finished:
+                        continue
+                    self.kv.fork(req.request_id, child.request_id)
+                    child.num_computed_tokens = req.num_computed_tokens
+                    child.num_cached_tokens = req.num_cached_tokens
+                    child.prompt_logprobs = req.prompt_logprobs
+                    child.first_scheduled_time = req.first_scheduled_time
+                    self.scheduler.add_forked(child)
+                    self._append_token(child, ro, now)
+            self._append_token(req, ro, now)
+            touched.add(req.parent_id or req.request_id)
+        for req in so.finished:
+            touched.add(req.parent_id or req.request_id)
+        return self._collect_outputs(touched)
+
+    def _append_token(self, req: Request, ro: RunnerOutput, now: float) -> None:
+        token = ro.sampled[req.request_id]
+        req.append_output_token(token)
+        self.num_generated_tokens += 1
+        lp = ro.logprobs.get(req.request_id)
+        if lp is not None:
+            req.logprobs.append(lp)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        reason = self._check_stop(req, token)
+        if reason is not None:
+            self.scheduler.finish_request(req, reason)
+            req.finished_time = now
+
+    def _check_stop(self, req: Request, token: int) -> str | None:
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return "stop"
+            if p.stop:
+                text = self.decode(req)
+                for s in p.stop:
+                    if s in text:
+                        req.stop_reason = s
+                        return "stop"
+        if req.num_output_tokens >= req.max_output_tokens:
+            return "length"
+        return None
+
+    def decode(self, req: Request) -> str:
+        return self.tokenizer.decode(
+            req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
+        )
+
+    def _account_swaps(self, so: SchedulerOutput, ro: RunnerOutput) -> None:
+        st = self.swap_stats
+        st["out_blocks"] += len(so.blocks_to_swap_out)
+        st["in_blocks"] += len(so.blocks_to_swap_in)
+        st["out_s"] += ro.swap_out_seconds
+        st["in_s"] += ro.swap_in_seconds
+
+    # -- outputs ------------------------------------------------------------------------------
+    def _collect_outputs(self, touched: set[str]) -> list[RequestOutput]:
+        outs = []
+        for gid in touched:
+            group = self.groups.get(gid)
+            if group is None:
+                continue
+            if group.finished:
+                del self.groups[gid]
+            elif not self.stream_outputs:
+                continue
+            outs.append(self.make_output(group))
+        return outs
+
+    def make_output(self, group: _Group) -> RequestOutput:
+        first = group.seqs[0]
+        completions = []
+        for seq in group.seqs:
+            text = self.decode(seq)
+            p = seq.sampling_params
+            if isinstance(seq.stop_reason, str):
+                cut = text.find(seq.stop_reason)
+                if cut >= 0:
+                    text = text[: cut + (len(seq.stop_reason) if p.include_stop_str_in_output else 0)]
+            lps = seq.logprobs if p.logprobs is not None else None
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=sum(lp.logprob for lp in lps) if lps else None,
+                    logprobs=list(lps) if lps is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=list(first.prompt_token_ids),
+            outputs=completions,
+            finished=group.finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            prompt_logprobs=[None, *first.prompt_logprobs]
+            if first.sampling_params.prompt_logprobs is not None
+            else None,
+            metrics=RequestMetrics(
+                arrival_time=first.arrival_time,
+                first_scheduled_time=first.first_scheduled_time,
+                first_token_time=first.first_token_time,
+                last_token_time=first.last_token_time,
+                finished_time=first.finished_time,
+                num_preemptions=sum(s.num_preemptions for s in group.seqs),
+            ),
+        )
+
+    # -- the ledger ---------------------------------------------------------------------------
+    def ledger(self) -> LedgerSnapshot:
+        snap = self.kv.ledger()
+        st = self.swap_stats
+        snap.kv_cache_dtype = self.config.cache.kv_cache_dtype
+        snap.preemptions = dict(self.scheduler.num_preemptions)
+        snap.swapped_out_blocks = st["out_blocks"]
+        snap.swapped_in_blocks = st["in_blocks"]
+        snap.swap_out_bytes = st["out_blocks"] * self.kv.bytes_per_block
+        snap.swap_in_bytes = st["in_blocks"] * self.kv.bytes_per_block
+        snap.swap_out_seconds = st["out_s"]
+        snap.swap_in_seconds = st["in_s"]
+        return snap
+
+
+def _plan_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model_dtype]
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * _GiB

@@ -1,0 +1,100 @@
+"""A request's state machine: waiting -> running -> (preempted: waiting | swapped) -> finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvledger.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)  # top-k alternatives
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first under the "priority" victim policy
+    cache_salt: str | None = None
+    max_total_tokens: int = 0  # prompt + output cap (the model's context)
+    # Sampling state.
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob | None] = field(default_factory=list)
+    # Scheduling state.
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache (first admission)
+    num_preemptions: int = 0
+    last_resumed_step: int = -1
+    admitted_step: int = -1
+    waiting_since_step: int = 0
+    steps_waited: int = 0  # steps spent waiting or preempted (drives the aging priority)
+    # Finishing.
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    # n > 1: children forked from this request after its prompt is computed.
+    parent_id: str | None = None
+    index: int = 0
+    children: list[Request] = field(default_factory=list)  # forked when the prompt is done
+    # Timing for metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    generator: object | None = None  # torch.Generator for seeded sampling (runner-owned)
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def max_output_tokens(self) -> int:
+        cap = self.max_total_tokens - self.num_prompt_tokens
+        mt = self.sampling_params.max_tokens
+        return cap if mt is None else min(mt, cap)
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Estimated generation still to come (the victim policy's main signal)."""
+        return max(0, self.max_output_tokens - self.num_output_tokens)

@@ -1,0 +1,263 @@
+"""Iteration-level scheduling: the batch is re-formed at every step.
+
+Each step the scheduler (1) gives every running request its next tokens (one for a decode,
+a chunk for an unfinished prefill) within a token budget, (2) preempts victims until those
+tokens' blocks fit, (3) swaps swapped-out requests back in, oldest first, and (4) admits
+waiting requests FCFS while the budget, ``max_num_seqs`` and the free blocks allow. It only
+decides: no tensors here, so the simulator replays exactly this code with a cost model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv
+from kvledger.config import SchedulerConfig
+from kvledger.core.preemption import PreemptionCostModel, select_victim
+from kvledger.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # COW (src, dst)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    preempted: list[tuple[str, str]] = field(default_factory=list)  # (request_id, mode)
+    admitted: list[str] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler itself
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.finished
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        cost_model: PreemptionCostModel | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.cost_model = cost_model or PreemptionCostModel(
+            mode=config.preemption_mode, recompute_threshold=config.recompute_threshold
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self.step = 0
+        self.num_preemptions = {"swap": 0, "recompute": 0}
+
+    # -- queue management ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        request.waiting_since_step = self.step
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def add_forked(self, child: Request) -> None:
+        """A child of an n > 1 request; its blocks were forked from the parent's already."""
+        child.status = RequestStatus.RUNNING
+        child.admitted_step = self.step
+        self.requests[child.request_id] = child
+        self.running.append(child)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def finish_request(self, request: Request, reason: str) -> None:
+        """Retire a request now: its blocks go straight back to the pool."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        if request.request_id in self.kv.requests:
+            self.kv.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, "abort")
+        return request
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step += 1
+        out = SchedulerOutput(step=self.step)
+        budget = self.config.max_num_batched_tokens
+        bs = self.kv.block_size
+
+        # 1. Running requests first: a decode token each, or the next prefill chunk.
+        plan: list[ScheduledRequest] = []
+        for req in list(self.running):
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            if cdiv(req.num_computed_tokens + n, bs) > self.kv.pool.num_blocks:
+                # It can never fit, even alone: stop it rather than loop on preemption.
+                self.finish_request(req, "length")
+                out.finished.append(req)
+                continue
+            plan.append(ScheduledRequest(req, n))
+            budget -= n
+
+        # 2. Preempt until the planned tokens' blocks fit.
+        while plan and self._blocks_needed(plan) > self.kv.num_free_blocks:
+            victim = select_victim(
+                self.running,
+                self.config.victim_policy,
+                self.step,
+                self.config.max_preemptions_before_protect,
+            )
+            for i, s in enumerate(plan):
+                if s.request is victim:
+                    budget += s.num_new_tokens
+                    del plan[i]
+                    break
+            self._preempt(victim, out)
+        for s in plan:
+            ok = self.kv.allocate_slots(s.request.request_id, s.num_new_tokens)
+            assert ok, "blocks were reserved for the running requests"
+        out.scheduled.extend(plan)
+
+        # 3. Swapped-out requests come back before anything new is admitted (FCFS).
+        while (
+            self.swapped
+            and not out.preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.swapped[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            host = len(self.kv.requests[req.request_id].host_blocks)
+            extra = cdiv(req.num_computed_tokens + n, bs) - cdiv(req.num_computed_tokens, bs) + 1
+            if host + extra > self.kv.num_free_blocks:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.kv.swap_in(req.request_id))
+            ok = self.kv.allocate_slots(req.request_id, n)
+            assert ok
+            self._start_running(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+
+        # 4. Admit waiting requests FCFS while budget, seats and blocks allow.
+        while (
+            self.waiting
+            and not self.swapped
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            if req.sampling_params.prompt_logprobs is not None:
+                computed, num_cached = [], 0  # every prompt position's logits are needed
+            else:
+                computed, num_cached = self.kv.get_computed_blocks(req.all_token_ids, req.cache_salt)
+            n = req.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            need = self.kv.blocks_needed(req.request_id, n, computed)
+            reserve = self.config.watermark_blocks if self.running else 0
+            if need + reserve > self.kv.num_free_blocks:
+                break
+            ok = self.kv.allocate_slots(req.request_id, n, computed, req.cache_salt)
+            assert ok
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+                self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
+            self._start_running(req)
+            out.admitted.append(req.request_id)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+
+        for req in self.waiting:
+            req.steps_waited += 1
+        for req in self.swapped:
+            req.steps_waited += 1
+        out.blocks_to_copy = self.kv.take_block_copies()
+        return out
+
+    def _blocks_needed(self, plan: list[ScheduledRequest]) -> int:
+        return sum(self.kv.blocks_needed(s.request.request_id, s.num_new_tokens) for s in plan)
+
+    def _start_running(self, req: Request) -> None:
+        if req.num_preemptions:
+            req.last_resumed_step = self.step
+        if req.admitted_step < 0:
+            req.admitted_step = self.step
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        rid = victim.request_id
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        mode = self.choose_mode(victim)
+        if mode == "swap" and self.kv.can_swap_out(rid):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(rid))
+            victim.status = RequestStatus.SWAPPED
+            self._insert_by_arrival(self.swapped, victim)
+        else:
+            mode = "recompute"
+            self.kv.free(rid)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.WAITING
+            self._insert_by_arrival(self.waiting, victim, preempted_only=True)
+        self.num_preemptions[mode] += 1
+        out.preempted.append((rid, mode))
+
+    def choose_mode(self, victim: Request) -> str:
+        """Swap or recompute, by the cost model (or the configured override)."""
+        kv = self.kv
+        if kv.host_pool is None:
+            return "recompute"
+        table = kv.requests[victim.request_id]
+        swap_bytes = len(kv._private_blocks(table)) * kv.bytes_per_block
+        # Only blocks other requests hold are sure to survive for a recompute to reuse.
+        shared_prefix = 0
+        for b in table.block_table:
+            if b < 0 or kv.pool.blocks[b].ref_cnt < 2:
+                break
+            shared_prefix += 1
+        cached = min(shared_prefix * kv.block_size, victim.num_computed_tokens)
+        return self.cost_model.choose(victim.num_computed_tokens, swap_bytes, cached)
+
+    @staticmethod
+    def _insert_by_arrival(queue: deque[Request], req: Request, preempted_only: bool = False) -> None:
+        """Preempted requests go ahead of new ones, oldest first, so none is overtaken forever."""
+        i = 0
+        for i, other in enumerate(queue):  # noqa: B007
+            if (preempted_only and other.num_preemptions == 0) or other.arrival_time > req.arrival_time:
+                break
+        else:
+            i = len(queue)
+        queue.insert(i, req)

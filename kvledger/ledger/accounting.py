@@ -1,0 +1,542 @@
+"""The planning half of the ledger: bytes per token, capacity, fragmentation and sharing.
+
+Pure Python (no torch), so `kvledger plan` answers instantly and the engine, the server and
+the simulator can all size the pool from the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import asdict, dataclass, replace
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+from kvledger.errors import ConfigError
+
+GiB = 1024**3
+GB = 1000**3
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+# KV storage formats: bytes per element of K/V data. fp8 is e4m3; fp8_int8 is K fp8, V int8.
+KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "fp8_int8": 1}
+QUANTIZED_KV_DTYPES = frozenset({"fp8", "int8", "fp8_int8"})
+KV_SCALE_BYTES = 2  # one float16 scale per token per KV head, for K and for V
+_MODEL_TO_KV = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder-only transformer, as far as memory accounting needs it."""
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    num_params: int | None = None
+    dtype: str = "bfloat16"
+    max_position_embeddings: int | None = None
+    intermediate_size: int | None = None
+    tie_word_embeddings: bool = False
+    architecture: str = "LlamaForCausalLM"
+    weight_bytes: int | None = None  # measured from a safetensors checkpoint, when there is one
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelSpec:
+        """Read a Hugging Face config.json dict; missing KV heads mean MHA, missing head_dim
+        means hidden_size // num_attention_heads, as in transformers."""
+        if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+            cfg = {**cfg, **cfg["text_config"]}  # multimodal wrappers keep the LM in text_config
+        layers = _positive_int(cfg, "num_hidden_layers", name)
+        heads = _positive_int(cfg, "num_attention_heads", name)
+        hidden = _positive_int(cfg, "hidden_size", name)
+        vocab = _positive_int(cfg, "vocab_size", name)
+        kv_heads = (
+            heads
+            if cfg.get("num_key_value_heads") is None
+            else _positive_int(cfg, "num_key_value_heads", name)
+        )
+        if cfg.get("head_dim") is None:
+            if hidden % heads:
+                raise ConfigError(
+                    f"{name}: hidden_size {hidden} is not divisible by "
+                    f"num_attention_heads {heads}; set head_dim"
+                )
+            head_dim = hidden // heads
+        else:
+            head_dim = _positive_int(cfg, "head_dim", name)
+        if heads % kv_heads:
+            raise ConfigError(
+                f"{name}: num_attention_heads {heads} is not a multiple of "
+                f"num_key_value_heads {kv_heads}"
+            )
+        raw_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"  # HF's default
+        dtype = _DTYPE_ALIASES.get(str(raw_dtype), str(raw_dtype))
+        if dtype not in DTYPE_BYTES:
+            raise ConfigError(
+                f"{name}: unsupported torch_dtype {raw_dtype!r} "
+                f"(expected one of {', '.join(DTYPE_BYTES)})"
+            )
+        max_pos = (
+            None
+            if cfg.get("max_position_embeddings") is None
+            else _positive_int(cfg, "max_position_embeddings", name)
+        )
+        inter = (
+            None
+            if cfg.get("intermediate_size") is None
+            else _positive_int(cfg, "intermediate_size", name)
+        )
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        spec = cls(
+            name=name,
+            num_layers=layers,
+            num_attention_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            hidden_size=hidden,
+            vocab_size=vocab,
+            dtype=dtype,
+            max_position_embeddings=max_pos,
+            intermediate_size=inter,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            architecture=str(archs[0]),
+        )
+        return replace(spec, num_params=estimate_num_params(spec))
+
+
+def _positive_int(cfg: dict[str, Any], key: str, name: str) -> int:
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"{name}: config field {key!r} is missing")
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}: config field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def estimate_num_params(spec: ModelSpec) -> int | None:
+    """Llama-family parameter count (embeddings, attention, SwiGLU MLP, RMSNorms); exact for
+    Llama/Mistral, within 0.01% for Qwen2 (no qkv biases). None without intermediate_size."""
+    if spec.intermediate_size is None:
+        return None
+    h, q, kv = (
+        spec.hidden_size,
+        spec.num_attention_heads * spec.head_dim,
+        spec.num_kv_heads * spec.head_dim,
+    )
+    per_layer = 2 * h * q + 2 * h * kv + 3 * h * spec.intermediate_size + 2 * h
+    embeddings = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
+    return embeddings + spec.num_layers * per_layer + h
+
+
+def _preset(
+    name: str,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    hidden: int,
+    vocab: int,
+    inter: int,
+    params: int | None,
+    dtype: str,
+    max_pos: int,
+) -> ModelSpec:
+    spec = ModelSpec(
+        name, layers, heads, kv_heads, head_dim, hidden, vocab, params, dtype, max_pos, inter
+    )
+    return spec if params is not None else replace(spec, num_params=estimate_num_params(spec))
+
+
+_SEED_70B = _preset("seed-70b", 80, 64, 8, 128, 8192, 32000, 28672, 70_000_000_000, "float16", 4096)
+
+PRESETS: dict[str, ModelSpec] = {
+    # The seed article's example: 70B, 80 layers, GQA-8, fp16, 140 GB of weights.
+    "seed-70b": _SEED_70B,
+    "seed-70b-mha": replace(_SEED_70B, name="seed-70b-mha", num_kv_heads=64),
+    "seed-70b-mqa": replace(_SEED_70B, name="seed-70b-mqa", num_kv_heads=1),
+    # Published Hugging Face configs and parameter counts.
+    "llama-3-8b": _preset(
+        "llama-3-8b", 32, 32, 8, 128, 4096, 128256, 14336, 8_030_261_248, "bfloat16", 8192
+    ),
+    "llama-3-70b": _preset(
+        "llama-3-70b", 80, 64, 8, 128, 8192, 128256, 28672, 70_553_706_496, "bfloat16", 8192
+    ),
+    "qwen2.5-7b": replace(
+        _preset(
+            "qwen2.5-7b", 28, 28, 4, 128, 3584, 152064, 18944, 7_615_616_512, "bfloat16", 32768
+        ),
+        architecture="Qwen2ForCausalLM",
+    ),
+    "mistral-7b": replace(
+        _preset("mistral-7b", 32, 32, 8, 128, 4096, 32000, 14336, 7_241_732_096, "bfloat16", 32768),
+        architecture="MistralForCausalLM",
+    ),
+    # The engine's embedded default model (random weights); the engine builds exactly this.
+    "kvledger-tiny": _preset("kvledger-tiny", 4, 8, 2, 32, 256, 512, 688, None, "float32", 2048),
+}
+
+
+def safetensors_weight_bytes(path: str | Path) -> int:
+    """Bytes of all tensors in one .safetensors file, from its header only (no tensor is loaded):
+    8-byte little-endian header length, then JSON whose data_offsets give each tensor's bytes."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > path.stat().st_size - 8:
+                raise ValueError(f"header length {header_len} exceeds the file size")
+            header = json.loads(f.read(header_len))
+        return sum(
+            end - start
+            for key, meta in header.items()
+            if key != "__metadata__"
+            for start, end in [meta["data_offsets"]]
+        )
+    except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def load_model_spec(name_or_path: str) -> ModelSpec:
+    """A preset name, a model folder with config.json, or a config.json path. Weights found as
+    *.safetensors next to the config set weight_bytes from the checkpoint itself."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise ConfigError(f"{path}: folder has no config.json")
+    elif path.is_file():
+        config_path = path
+    else:
+        raise ConfigError(
+            f"unknown model {name_or_path!r}: not a folder or config.json, and not a "
+            f"preset (presets: {', '.join(PRESETS)})"
+        )
+    try:
+        cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{config_path}: malformed JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{config_path}: malformed config, expected a JSON object")
+    model_dir = config_path.parent
+    spec = ModelSpec.from_hf_config(cfg, name=model_dir.resolve().name or str(config_path))
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if shards:
+        spec = replace(spec, weight_bytes=sum(safetensors_weight_bytes(s) for s in shards))
+    return spec
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    """KV-cache bytes for one token on one rank, split into K/V data and quantisation scales."""
+
+    kv_dtype: str
+    data_bytes: int
+    scale_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.data_bytes + self.scale_bytes
+
+
+def resolve_kv_dtype(spec: ModelSpec, kv_dtype: str) -> str:
+    if kv_dtype == "auto":
+        return _MODEL_TO_KV[spec.dtype]
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise ConfigError(
+            f"unknown kv dtype {kv_dtype!r} (expected auto, {', '.join(KV_DTYPE_BYTES)})"
+        )
+    return kv_dtype
+
+
+def kv_heads_per_rank(spec: ModelSpec, tp: int = 1) -> int:
+    """KV heads are split across TP ranks, and replicated once tp exceeds them."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp must be a positive integer, got {tp!r}")
+    if spec.num_attention_heads % tp:
+        raise ConfigError(
+            f"tp={tp} does not divide {spec.name}'s {spec.num_attention_heads} attention heads"
+        )
+    return math.ceil(spec.num_kv_heads / tp)
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str = "auto", tp: int = 1) -> KVBytes:
+    """2 (K and V) x layers x KV heads per rank x head_dim x element bytes, plus for quantised
+    formats a float16 scale per token per KV head for K and for V."""
+    name = resolve_kv_dtype(spec, kv_dtype)
+    heads = kv_heads_per_rank(spec, tp)
+    data = 2 * spec.num_layers * heads * spec.head_dim * KV_DTYPE_BYTES[name]
+    scales = 2 * spec.num_layers * heads * KV_SCALE_BYTES if name in QUANTIZED_KV_DTYPES else 0
+    return KVBytes(name, data, scales)
+
+
+def per_request_overhead_bytes(
+    spec: ModelSpec, kv_dtype: str, kv_sink_tokens: int, kv_recent_tokens: int, tp: int = 1
+) -> int:
+    """Quantised caches also keep each request's sink and recent-window tokens in the model
+    dtype, outside the blocks; unquantised caches need no such copy."""
+    if kv_sink_tokens < 0 or kv_recent_tokens < 0:
+        raise ConfigError("kv_sink_tokens and kv_recent_tokens must be >= 0")
+    if resolve_kv_dtype(spec, kv_dtype) not in QUANTIZED_KV_DTYPES:
+        return 0
+    return (kv_sink_tokens + kv_recent_tokens) * kv_bytes_per_token(spec, "auto", tp).total
+
+
+class DoesNotFitError(ConfigError):
+    """Weights plus one context-length request exceed the memory given; more TP may help."""
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """How one rank's memory divides into weights and KV blocks, and what that buys."""
+
+    model: str
+    kv_dtype: str
+    tp: int
+    block_size: int
+    context_len: int
+    device_memory_bytes: int
+    memory_fraction: float
+    kv_heads_per_rank: int
+    data_bytes_per_token: int
+    scale_bytes_per_token: int
+    bytes_per_token: int
+    bytes_per_block: int
+    weight_bytes: int  # per rank
+    weight_source: str  # "override", "checkpoint" or "num_params"
+    activation_reserve_bytes: int
+    kv_budget_bytes: int
+    num_blocks: int  # the pool if the whole budget goes to blocks
+    max_tokens: int
+    blocks_per_request: int  # for one context_len request
+    per_request_overhead_bytes: int  # sink/recent copies for quantised KV, from the same budget
+    max_concurrency: int  # context_len requests that fit at once
+
+    def request_cost_bytes(self, num_tokens: int) -> int:
+        """Paged cost of a num_tokens request: whole blocks, the last one possibly partial."""
+        return math.ceil(num_tokens / self.block_size) * self.bytes_per_block
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_capacity(
+    spec: ModelSpec,
+    device_memory_bytes: int,
+    memory_fraction: float = 0.9,
+    weight_bytes: int | None = None,
+    tp: int = 1,
+    block_size: int = 16,
+    context_len: int | None = None,
+    kv_dtype: str = "auto",
+    activation_reserve_bytes: int = 0,
+    kv_sink_tokens: int = 4,
+    kv_recent_tokens: int = 0,
+) -> CapacityPlan:
+    """Per-rank budget = device x fraction - weights/tp - reserve, carved into blocks; raises
+    ConfigError (with the shortfall in GiB) when not even one context_len request fits."""
+    if device_memory_bytes <= 0:
+        raise ConfigError(f"device memory must be positive, got {device_memory_bytes}")
+    if not 0 < memory_fraction <= 1:
+        raise ConfigError(f"memory fraction must be in (0, 1], got {memory_fraction}")
+    if block_size <= 0:
+        raise ConfigError(f"block size must be positive, got {block_size}")
+    if activation_reserve_bytes < 0:
+        raise ConfigError(f"activation reserve must be >= 0, got {activation_reserve_bytes}")
+    context_len = context_len if context_len is not None else spec.max_position_embeddings or 4096
+    if context_len <= 0:
+        raise ConfigError(f"context length must be positive, got {context_len}")
+    if spec.max_position_embeddings and context_len > spec.max_position_embeddings:
+        raise ConfigError(
+            f"context length {context_len} exceeds {spec.name}'s "
+            f"max_position_embeddings {spec.max_position_embeddings}"
+        )
+    kv = kv_bytes_per_token(spec, kv_dtype, tp)
+    if weight_bytes is not None:
+        if weight_bytes <= 0:
+            raise ConfigError(f"weight bytes must be positive, got {weight_bytes}")
+        total_weights, source = weight_bytes, "override"
+    elif spec.weight_bytes is not None:
+        total_weights, source = spec.weight_bytes, "checkpoint"
+    elif spec.num_params is not None:
+        total_weights, source = spec.num_params * spec.dtype_bytes, "num_params"
+    else:
+        raise ConfigError(
+            f"{spec.name}: parameter count unknown (no intermediate_size or "
+            "checkpoint); pass the weight size explicitly (--weight-bytes)"
+        )
+    weights = math.ceil(total_weights / tp)
+    bytes_per_block = kv.total * block_size
+    overhead = per_request_overhead_bytes(spec, kv_dtype, kv_sink_tokens, kv_recent_tokens, tp)
+    blocks_per_request = math.ceil(context_len / block_size)
+    request_bytes = blocks_per_request * bytes_per_block + overhead
+    budget = int(device_memory_bytes * memory_fraction) - weights - activation_reserve_bytes
+    if budget < request_bytes:
+        raise DoesNotFitError(
+            f"{spec.name} does not fit: {weights / GiB:.2f} GiB of weights per rank leave "
+            f"{budget / GiB:.2f} GiB for KV cache, short by {(request_bytes - budget) / GiB:.2f} "
+            f"GiB for one {context_len}-token request (try more tp, a shorter context or a "
+            "quantised kv dtype)"
+        )
+    num_blocks = budget // bytes_per_block
+    return CapacityPlan(
+        model=spec.name,
+        kv_dtype=kv.kv_dtype,
+        tp=tp,
+        block_size=block_size,
+        context_len=context_len,
+        device_memory_bytes=device_memory_bytes,
+        memory_fraction=memory_fraction,
+        kv_heads_per_rank=kv_heads_per_rank(spec, tp),
+        data_bytes_per_token=kv.data_bytes,
+        scale_bytes_per_token=kv.scale_bytes,
+        bytes_per_token=kv.total,
+        bytes_per_block=bytes_per_block,
+        weight_bytes=weights,
+        weight_source=source,
+        activation_reserve_bytes=activation_reserve_bytes,
+        kv_budget_bytes=budget,
+        num_blocks=num_blocks,
+        max_tokens=num_blocks * block_size,
+        blocks_per_request=blocks_per_request,
+        per_request_overhead_bytes=overhead,
+        max_concurrency=budget // request_bytes,
+    )
+
+
+def naive_vs_paged(
+    lengths: list[int], max_seq_len: int, block_size: int, bytes_per_token: int
+) -> dict[str, Any]:
+    """Contiguous allocation reserves max_seq_len per request; paging reserves whole blocks, so
+    it wastes less than one block per request (and no more than naive when max_seq_len is a
+    multiple of block_size)."""
+    if not lengths:
+        raise ConfigError("no request lengths given")
+    if max_seq_len <= 0 or block_size <= 0 or bytes_per_token <= 0:
+        raise ConfigError("max_seq_len, block_size and bytes_per_token must be positive")
+    for n in lengths:
+        if not 0 < n <= max_seq_len:
+            raise ConfigError(f"request length {n} is outside 1..max_seq_len ({max_seq_len})")
+    used = sum(lengths)
+    naive = len(lengths) * max_seq_len
+    paged = sum(math.ceil(n / block_size) * block_size for n in lengths)
+    return {
+        "num_requests": len(lengths),
+        "total_tokens": used,
+        "max_seq_len": max_seq_len,
+        "block_size": block_size,
+        "naive_reserved_tokens": naive,
+        "paged_reserved_tokens": paged,
+        "naive_reserved_bytes": naive * bytes_per_token,
+        "paged_reserved_bytes": paged * bytes_per_token,
+        "naive_waste_tokens": naive - used,
+        "paged_waste_tokens": paged - used,
+        "naive_waste_bytes": (naive - used) * bytes_per_token,
+        "paged_waste_bytes": (paged - used) * bytes_per_token,
+        "max_paged_waste_tokens_per_request": max(-n % block_size for n in lengths),
+        "naive_utilization": used / naive,
+        "paged_utilization": used / paged,
+    }
+
+
+def prefix_sharing_savings(
+    spec: ModelSpec,
+    prefix_len: int,
+    num_requests: int,
+    kv_dtype: str = "auto",
+    block_size: int = 16,
+) -> dict[str, Any]:
+    """KV bytes of a prompt prefix held by num_requests requests, each with its own copy vs
+    sharing its full blocks (a partial last block stays private, as in a hashed block pool)."""
+    if prefix_len <= 0 or num_requests <= 0 or block_size <= 0:
+        raise ConfigError("prefix_len, num_requests and block_size must be positive")
+    bytes_per_block = kv_bytes_per_token(spec, kv_dtype).total * block_size
+    full, partial = divmod(prefix_len, block_size)
+    without = num_requests * math.ceil(prefix_len / block_size) * bytes_per_block
+    with_sharing = (full + num_requests * (1 if partial else 0)) * bytes_per_block
+    return {
+        "prefix_len": prefix_len,
+        "num_requests": num_requests,
+        "block_size": block_size,
+        "bytes_without_sharing": without,
+        "bytes_with_sharing": with_sharing,
+        "bytes_saved": without - with_sharing,
+        "ratio": without / with_sharing,
+        "gb_without_sharing": without / GB,
+        "gb_with_sharing": with_sharing / GB,
+        "gib_without_sharing": without / GiB,
+        "gib_with_sharing": with_sharing / GiB,
+    }
+
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)\s*")
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """'80GiB' (binary), '80GB' (decimal), '123' (bytes). Bare 'G'/'M' are rejected: the
+    7% difference between GiB and GB is exactly what a capacity plan must not blur."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ConfigError(f"size must be >= 0, got {text}")
+        return text
+    if str(text).strip().startswith("-"):
+        raise ConfigError(f"size must not be negative, got {text!r}")
+    m = _SIZE_RE.fullmatch(str(text))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        hint = (
+            " (ambiguous: write GiB for 2**30 or GB for 10**9)"
+            if m and unit in {"k", "m", "g", "t"}
+            else ""
+        )
+        raise ConfigError(f"invalid size {text!r}{hint}; use e.g. 80GiB, 80GB, 512MiB or bytes")
+    try:
+        value = Decimal(m.group(1)) * _SIZE_UNITS[unit]
+    except InvalidOperation:
+        raise ConfigError(f"invalid size {text!r}") from None
+    if value != value.to_integral_value() and unit in {"", "b"}:
+        raise ConfigError(f"invalid size {text!r}: a byte count must be a whole number")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """Both conventions side by side, e.g. '74.51 GiB (80.00 GB)': vendors quote GB, torch GiB."""
+    k = 0
+    while k < 4 and abs(n) >= 1024 ** (k + 1):
+        k += 1
+    if k == 0:
+        return f"{int(n):,} B"
+    binary, decimal = [("KiB", "KB"), ("MiB", "MB"), ("GiB", "GB"), ("TiB", "TB")][k - 1]
+    return f"{n / 1024**k:.2f} {binary} ({n / 1000**k:.2f} {decimal})"

@@ -1,0 +1,59 @@
+"""The live memory ledger: one snapshot type that every report (API, /v1/ledger, metrics,
+simulator) reads, so all figures come from the same block-pool state."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestBlocks:
+    num_tokens: int
+    blocks: int  # device blocks in the table
+    private_blocks: int  # held by this request alone
+    shared_blocks: int  # held with others (prefix cache, n > 1 forks)
+    swapped_blocks: int  # on the host pool while swapped out
+
+
+@dataclass
+class LedgerSnapshot:
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int  # free and empty
+    cached_blocks: int  # free but still holding reusable prefix content
+    block_size: int
+    bytes_per_token: int
+    bytes_per_block: int
+    tokens_stored: int
+    shared_blocks: int  # used blocks with more than one holder
+    utilization: float  # tokens stored / token slots of used blocks
+    usage: float  # used blocks / total blocks (vLLM's kv_cache_usage_perc)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cow_copies: int = 0
+    host_total_blocks: int = 0
+    swapped_blocks: int = 0  # blocks currently held in the host pool
+    requests: dict[str, RequestBlocks] = field(default_factory=dict)
+    # Filled in by the engine (preemption and swap traffic, storage format).
+    kv_cache_dtype: str = "auto"
+    preemptions: dict[str, int] = field(default_factory=lambda: {"swap": 0, "recompute": 0})
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_out_seconds: float = 0.0
+    swap_in_seconds: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_blocks * self.bytes_per_block
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.bytes_per_block
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        d["used_bytes"] = self.used_bytes
+        return d

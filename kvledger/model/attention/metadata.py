@@ -1,0 +1,35 @@
+"""The flat description of one step that every attention backend receives.
+
+One forward pass per step covers all scheduled requests (prefill chunks and decodes
+together). Tokens are concatenated request by request; request ``i`` owns query rows
+``query_start_loc[i]:query_start_loc[i+1]`` and, after this step, has ``seq_lens[i]``
+tokens of context whose K/V live in the blocks listed in ``block_tables[i]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: pool slot (block_id * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int64: cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int64: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    # Python mirrors of the small per-request vectors, so backends need no .tolist() syncs.
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,150 @@
+"""Device memory of the paged KV cache: allocated once, addressed by (block, offset) slots.
+
+The block manager decides which block holds what; this module only owns the tensors and
+carries out its decisions (writes, copy-on-write copies, swaps) as batched index ops.
+The storage format sits behind the per-layer object (``LayerKVCache``) so that a quantised
+format is another class with the same ``write``/``read``/``storage`` interface.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class LayerKVCache(Protocol):
+    """What attention backends and the pools need from one layer's cache."""
+
+    block_size: int
+    # Tensors whose dim 1 indexes physical blocks; copies and swaps move these verbatim.
+    storage: tuple[torch.Tensor, ...]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new K/V rows [T, num_kv_heads, head_dim] at flat slots block_id * block_size + offset."""
+
+    def read(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the given blocks, shape [*block_ids.shape, block_size, num_kv_heads, head_dim], in the compute dtype."""
+
+
+class PagedKVCache:
+    """One layer's K and V, stored unquantised in the model dtype as kv[2, num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        self.storage = (kv,)
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv.shape
+        self.block_size = block_size
+        self.k = kv[0]
+        self.v = kv[1]
+        # Flat views for writes: slot s is row s.
+        self._k_slots = self.k.view(num_blocks * block_size, num_kv_heads, head_dim)
+        self._v_slots = self.v.view(num_blocks * block_size, num_kv_heads, head_dim)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self._k_slots.index_copy_(0, slot_mapping, k)
+        self._v_slots.index_copy_(0, slot_mapping, v)
+
+    def read(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[block_ids], self.v[block_ids]
+
+
+def _pairs_to_index(pairs: list[tuple[int, int]], src_device, dst_device):
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=src_device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst_device)
+    return src, dst
+
+
+class KVCachePool:
+    """All layers' paged KV cache, preallocated once (zeros: unwritten slots stay finite, so masked reads are safe)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # One allocation for the whole cache, so its size is one number the ledger can check.
+        self.data = torch.zeros(
+            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=self.device,
+            pin_memory=pin_memory,
+        )
+        self.layers: list[LayerKVCache] = [PagedKVCache(self.data[i]) for i in range(num_layers)]
+
+    def layer(self, i: int) -> LayerKVCache:
+        return self.layers[i]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block occupies across all layers (K and V)."""
+        return sum(t[:, 0].numel() * t.element_size() for layer in self.layers for t in layer.storage)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src's contents to block dst, for every (src, dst), all layers.
+
+        Sources are read before any destination is written (one gather, one scatter per tensor),
+        so a pair list must not chain (a dst that is also a later src sees the old contents).
+        """
+        if not pairs:
+            return
+        src, dst = _pairs_to_index(pairs, self.device, self.device)
+        for layer in self.layers:
+            for t in layer.storage:
+                t.index_copy_(1, dst, t.index_select(1, src))
+
+
+class HostKVPool(KVCachePool):
+    """CPU twin of a device pool for swapped-out blocks (pinned when the device is CUDA)."""
+
+    def __init__(self, num_blocks: int, device_pool: KVCachePool) -> None:
+        super().__init__(
+            device_pool.num_layers,
+            num_blocks,
+            device_pool.block_size,
+            device_pool.num_kv_heads,
+            device_pool.head_dim,
+            device_pool.dtype,
+            device="cpu",
+            pin_memory=device_pool.device.type == "cuda",
+        )
+        self.device_pool = device_pool
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, for every (device_block, host_block)."""
+        if not pairs:
+            return
+        src, dst = _pairs_to_index(pairs, self.device_pool.device, self.device)
+        for dev_layer, host_layer in zip(self.device_pool.layers, self.layers, strict=True):
+            for d, h in zip(dev_layer.storage, host_layer.storage, strict=True):
+                h.index_copy_(1, dst, d.index_select(1, src).to(self.device))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back to device blocks, for every (host_block, device_block)."""
+        if not pairs:
+            return
+        src, dst = _pairs_to_index(pairs, self.device, self.device_pool.device)
+        non_blocking = self.device_pool.device.type == "cuda"
+        for dev_layer, host_layer in zip(self.device_pool.layers, self.layers, strict=True):
+            for d, h in zip(dev_layer.storage, host_layer.storage, strict=True):
+                staged = h.index_select(1, src)
+                if non_blocking:
+                    staged = staged.pin_memory()
+                d.index_copy_(1, dst, staged.to(d.device, non_blocking=non_blocking))

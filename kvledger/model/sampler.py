@@ -1,0 +1,84 @@
+"""Logits -> tokens, with the per-request options of SamplingParams.
+
+Greedy rows take the argmax of the raw logits (exactly what HF's greedy search does). Random
+rows are sampled with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which draws
+from p exactly; a seeded request draws E from its own generator, so its tokens do not depend
+on what else is in the batch. Logprobs are those of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvledger.core.request import Logprob
+from kvledger.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRequest:
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, vectorised over rows; returns probabilities."""
+    temps = torch.tensor([max(p.temperature, 1e-5) for p in params], dtype=logits.dtype)
+    logits = logits / temps.unsqueeze(1)
+    vocab = logits.shape[1]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+        ranks = torch.arange(vocab).unsqueeze(0)
+        mask = ranks >= k.unsqueeze(1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+        probs_sorted = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        cum_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+        mask |= cum_before >= top_p.unsqueeze(1)  # keep the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(
+    logits: torch.Tensor, reqs: list[SampleRequest], default_generator: torch.Generator | None = None
+) -> tuple[list[int], list[Logprob | None]]:
+    """Sample one token per row of ``logits`` [N, vocab] (float32)."""
+    n = logits.shape[0]
+    tokens = logits.argmax(dim=-1)
+    rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if rand_rows:
+        probs = apply_filters(logits[rand_rows], [reqs[i].params for i in rand_rows])
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(rand_rows) if reqs[i].generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(
+                generator=default_generator
+            )
+        for j, i in enumerate(rand_rows):
+            if reqs[i].generator is not None:
+                noise[j].exponential_(generator=reqs[i].generator)
+        tokens[rand_rows] = (probs / noise).argmax(dim=-1)
+    token_list = tokens.tolist()
+    logprobs: list[Logprob | None] = [None] * n
+    want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    if want:
+        lp = logits[want].log_softmax(dim=-1)
+        for j, i in enumerate(want):
+            logprobs[i] = make_logprob(lp[j], token_list[i], reqs[i].params.logprobs)
+    return token_list, logprobs
+
+
+def make_logprob(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> Logprob:
+    top: dict[int, float] = {}
+    if num_top:
+        vals, idx = row_logprobs.topk(num_top)
+        top = dict(zip(idx.tolist(), vals.tolist()))
+    return Logprob(token_id=token_id, logprob=float(row_logprobs[token_id]), top=top)

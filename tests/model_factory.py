@@ -1,0 +1,201 @@
+"""Tiny random-weight HF model folders and a minimal paged-cache driver for model tests.
+
+The driver stands in for the engine: a shuffled free list of physical blocks (so block tables
+are never contiguous), per-request block tables, and AttentionMetadata built by hand, so the
+model can be tested without the real block manager.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from kvledger.model.attention.metadata import AttentionMetadata
+from kvledger.model.kv_cache import KVCachePool
+from kvledger.model.loader import LoadedModel
+
+_COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_config(kind: str) -> PretrainedConfig:
+    """Small configs covering each supported architecture and attention layout."""
+    if kind == "llama_mha":
+        return LlamaConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=4)
+    if kind == "llama_gqa":
+        return LlamaConfig(
+            **{**_COMMON, "tie_word_embeddings": True},
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+        )
+    if kind == "llama_mqa":
+        return LlamaConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=1)
+    if kind == "llama3_rope":
+        return LlamaConfig(
+            **_COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            rope_theta=500000.0,
+        )
+    if kind == "qwen2":
+        return Qwen2Config(**_COMMON, num_attention_heads=4, num_key_value_heads=2)
+    if kind == "qwen3":
+        return Qwen3Config(**_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    if kind == "mistral":
+        return MistralConfig(
+            **_COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=4096
+        )
+    raise ValueError(kind)
+
+
+def build_hf_model(
+    config: PretrainedConfig,
+    folder: Path,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+):
+    """Random-weight HF model saved as safetensors in folder; returns the HF model (eval mode).
+
+    Weights get a larger spread than HF's init (std 0.02) so logits are far from ties and the
+    greedy comparison actually exercises the numerics.
+    """
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model = model.to(dtype).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return model
+
+
+@dataclass
+class PagedDriver:
+    """Runs a LoadedModel over a paged cache like the engine would, with a toy block allocator."""
+
+    loaded: LoadedModel
+    block_size: int = 4
+    num_blocks: int = 128
+    seed: int = 0
+    pool: KVCachePool = field(init=False)
+    free: list[int] = field(init=False)
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    lens: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        cfg = self.loaded.config
+        self.pool = KVCachePool(
+            num_layers=cfg.num_layers,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.loaded.dtype,
+        )
+        self.free = list(range(self.num_blocks))
+        random.Random(self.seed).shuffle(self.free)
+
+    def step(self, batch: list[tuple[str, list[int]]]) -> torch.Tensor:
+        """One forward over [(request_id, new token ids), ...]; returns logits of every new token."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        for rid, ids in batch:
+            table = self.tables.setdefault(rid, [])
+            start = self.lens.get(rid, 0)
+            end = start + len(ids)
+            while len(table) * bs < end:
+                table.append(self.free.pop())
+            for p in range(start, end):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            input_ids.extend(ids)
+            query_lens.append(len(ids))
+            seq_lens.append(end)
+            self.lens[rid] = end
+        tables = [self.tables[rid] for rid, _ in batch]
+        width = max(len(t) for t in tables)
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            block_size=bs,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+        )
+        model = self.loaded.model
+        hidden = model(
+            torch.tensor(input_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            meta,
+            self.pool.layers,
+        )
+        return model.compute_logits(hidden)
+
+    def free_request(self, rid: str) -> None:
+        self.free.extend(reversed(self.tables.pop(rid)))
+        self.lens.pop(rid)
+
+    def greedy(
+        self,
+        rid: str,
+        prompt: list[int],
+        max_new_tokens: int,
+        stop_ids: tuple[int, ...] = (),
+        chunk: int | None = None,
+    ) -> list[int]:
+        """Greedy continuation through the paged cache (prefill in chunks of `chunk` tokens)."""
+        chunk = chunk or len(prompt)
+        for i in range(0, len(prompt), chunk):
+            logits = self.step([(rid, prompt[i : i + chunk])])
+        out: list[int] = []
+        while True:
+            tok = int(logits[-1].argmax())
+            out.append(tok)
+            if len(out) >= max_new_tokens or tok in stop_ids:
+                return out
+            logits = self.step([(rid, [tok])])

@@ -1,0 +1,96 @@
+"""`kvledger plan` as a user runs it: JSON figures, and one-line errors with no traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def kvledger(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvledger", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_plan_json_seed_70b_on_two_80gib_cards():
+    r = kvledger("plan", "--model", "seed-70b", "--tp", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    f = json.loads(r.stdout)
+    budget = int(80 * 2**30 * 0.9) - 70_000_000_000
+    assert f["bytes_per_token"] == 163_840 and f["bytes_per_block"] == 16 * 163_840
+    assert f["weight_bytes"] == 70_000_000_000 and f["kv_budget_bytes"] == budget
+    assert f["num_blocks"] == budget // (16 * 163_840) == 2788
+    assert f["max_tokens"] == 2788 * 16
+    assert f["max_concurrency"] == budget // (256 * 16 * 163_840) == 10
+    assert 0 < f["naive_utilization"] < f["paged_utilization"] <= 1
+    assert [h["num_kv_heads"] for h in f["heads_comparison"]] == [64, 8, 1]
+
+
+def test_plan_defaults_pick_the_smallest_tp_that_fits():
+    f = json.loads(kvledger("plan", "--json").stdout)
+    assert (f["model"], f["tp"], f["bytes_per_token"]) == ("seed-70b", 2, 163_840)
+
+
+def test_plan_json_with_given_lengths_and_quantised_kv(tmp_path):
+    (tmp_path / "lengths.txt").write_text("300\n16, 17\n")
+    r = kvledger(
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--kv-dtype",
+        "int8",
+        "--tp",
+        "1",
+        "--context-len",
+        "4096",
+        "--lengths",
+        f"@{tmp_path / 'lengths.txt'}",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    f = json.loads(r.stdout)
+    assert (f["bytes_per_token"], f["scale_bytes_per_token"]) == (66_560, 1_024)
+    assert f["per_request_overhead_bytes"] == 4 * 131_072  # 4 sink tokens in bf16
+    assert f["paged_utilization"] == 333 / 352 and f["lengths_source"] == "given"
+
+
+def test_plan_table():
+    r = kvledger("plan", "--model", "kvledger-tiny")
+    assert r.returncode == 0, r.stderr
+    assert "max concurrency" in r.stdout and "MQA" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--model", "{bad}"], "preset"),
+        (["--device-memory=-80GiB"], "negative"),
+        (["--device-memory", "0"], "device memory"),
+        (["--device-memory", "80G"], "ambiguous"),
+        (["--memory-fraction", "1.5"], "fraction"),
+        (["--memory-fraction", "0"], "fraction"),
+        (["--weight-bytes", "0"], "weight"),
+        (["--block-size", "0"], "block-size"),
+        (["--tp", "1"], "short by"),
+        (["--tp", "3"], "tp"),
+        (["--kv-dtype", "int4"], "int4"),
+        (["--lengths", "10,x"], "lengths"),
+        (["--lengths", "@/nonexistent/lengths.txt"], "lengths"),
+        (["--context-len", "9000"], "9000"),
+    ],
+)
+def test_plan_bad_input_is_one_line_error(args, needle):
+    r = kvledger("plan", *args)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("kvledger: error:") and r.stderr.count("\n") == 1, r.stderr
+    assert needle in r.stderr
+
+
+def test_plan_malformed_config_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{oops")
+    r = kvledger("plan", "--model", str(tmp_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "config.json" in r.stderr and r.stderr.count("\n") == 1
