@@ -198,14 +198,17 @@ def peak_rss_mib_children() -> float:
 
 
 class ProcTreeRSSPoller:
-    """Polls /proc for the summed RSS of a process and all its descendants; keeps the peak.
+    """Polls /proc for the summed RSS and PSS of a process tree; keeps the peaks.
 
     ``ru_maxrss`` of RUSAGE_CHILDREN is the max over single processes, so for an engine that
-    forks workers (vLLM's engine core) the tree sum seen by polling is the honest figure.
+    forks workers (vLLM's engine core) the tree sum seen by polling is the honest figure;
+    PSS splits shared pages (libraries mapped by every process) instead of counting them
+    once per process.
     """
 
-    def __init__(self, pid: int, interval: float = 0.2):
-        self.pid, self.interval, self.peak_kib = pid, interval, 0
+    def __init__(self, pid: int, interval: float = 0.25):
+        self.pid, self.interval = pid, interval
+        self.peak_kib = self.peak_pss_kib = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -220,6 +223,10 @@ class ProcTreeRSSPoller:
     @property
     def peak_mib(self) -> float:
         return self.peak_kib / 1024
+
+    @property
+    def peak_pss_mib(self) -> float:
+        return self.peak_pss_kib / 1024
 
     def _tree(self) -> list[int]:
         children: dict[int, list[int]] = {}
@@ -239,17 +246,57 @@ class ProcTreeRSSPoller:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            total = 0
+            rss = pss = 0
             for p in self._tree():
                 try:
-                    for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                        if line.startswith("VmRSS:"):
-                            total += int(line.split()[1])
-                            break
+                    for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                        if line.startswith("Rss:"):
+                            rss += int(line.split()[1])
+                        elif line.startswith("Pss:"):
+                            pss += int(line.split()[1])
                 except OSError:
                     pass
-            self.peak_kib = max(self.peak_kib, total)
+            self.peak_kib = max(self.peak_kib, rss)
+            self.peak_pss_kib = max(self.peak_pss_kib, pss)
             self._stop.wait(self.interval)
+
+
+def _system_busy_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (/proc/stat, all cores)."""
+    f = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+class ContentionProbe:
+    """``with ContentionProbe() as c: run()`` -> ``c.foreign_cpu_s``: CPU seconds that
+    processes OTHER than this one burned meanwhile (machine busy time minus our own).
+
+    A quiet 2-core machine gives ~0; other jobs stealing cores make the figure large,
+    which flags a throughput number as contended.
+    """
+
+    def __enter__(self) -> ContentionProbe:
+        self._b0, self._o0, self._t0 = _system_busy_s(), _own_cpu_s(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy = _system_busy_s() - self._b0
+        self.own_cpu_s = _own_cpu_s() - self._o0
+        self.wall_s = time.perf_counter() - self._t0
+        self.foreign_cpu_s = max(0.0, busy - self.own_cpu_s)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "own_cpu_s": self.own_cpu_s,
+            "foreign_cpu_s": self.foreign_cpu_s,
+            "foreign_cores_avg": self.foreign_cpu_s / self.wall_s,
+        }
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -317,8 +364,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def command_line() -> str:
-    """The command that started this process, shell-quoted."""
-    return " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    """The command that started this process, shell-quoted (``-m module`` kept as typed)."""
+    argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
+    return " ".join(shlex.quote(a) for a in argv)
 
 
 def print_header(title: str) -> None:
@@ -340,7 +388,10 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 
 def print_result_table(results: list[dict[str, Any]]) -> None:
     """Print one row per engine result dict (keys as produced by the runners)."""
-    hdr = f"{'engine':<22}{'tok/s':>9}{'wall s':>9}{'startup s':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'peak RSS MiB':>14}"
+    hdr = (
+        f"{'engine':<22}{'tok/s':>9}{'wall s':>9}{'startup s':>11}{'TTFT p50':>10}"
+        f"{'TTFT p99':>10}{'peak RSS MiB':>14}{'foreign CPU':>13}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in results:
@@ -348,7 +399,12 @@ def print_result_table(results: list[dict[str, Any]]) -> None:
             f"{r['engine']:<22}{fmt(r.get('tok_per_s'), '.1f'):>9}{fmt(r.get('wall_s')):>9}"
             f"{fmt(r.get('startup_s')):>11}{fmt(r.get('ttft_p50_s')):>10}"
             f"{fmt(r.get('ttft_p99_s')):>10}{fmt(r.get('peak_rss_mib'), '.0f'):>14}"
+            f"{fmt((r.get('contention') or {}).get('foreign_cores_avg'), '.2f'):>10} cores"
         )
+    print(
+        "(foreign CPU = average cores used by OTHER processes during the timed generate;"
+        " ~0 means an uncontended measurement)"
+    )
 
 
 def run_engine_subprocess(module: str, args: list[str], result_json: Path) -> dict[str, Any]:
@@ -362,4 +418,88 @@ def run_engine_subprocess(module: str, args: list[str], result_json: Path) -> di
         raise RuntimeError(f"{module} exited with {rc}")
     res = json.loads(Path(result_json).read_text())
     res.setdefault("peak_rss_tree_mib", poll.peak_mib)
+    res.setdefault("peak_pss_tree_mib", poll.peak_pss_mib)
     return res
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+def pick_check_indices(workload: list[dict[str, Any]], n: int = 8) -> list[int]:
+    """Deterministic subset for the exactness check: up to 2 long requests + first short ones."""
+    longs = [i for i, r in enumerate(workload) if r["max_tokens"] >= 256][: min(2, n)]
+    shorts = [i for i, r in enumerate(workload) if r["max_tokens"] < 256][: n - len(longs)]
+    return sorted(longs + shorts)
+
+
+def hf_references(
+    model_path: str | Path, workload: list[dict[str, Any]], indices: list[int]
+) -> dict[int, tuple[list[int], list[float]]]:
+    """HF float32 greedy tokens (+ top-1/top-2 logit gaps), one request at a time, no padding."""
+    from benchmarks.hf_static import hf_greedy_with_margins, load_hf_model
+
+    model = load_hf_model(model_path)
+    r = workload
+    return {
+        i: hf_greedy_with_margins(model, r[i]["prompt_token_ids"], r[i]["max_tokens"])
+        for i in indices
+    }
+
+
+def compare_tokens(ref: list[int], margins: list[float] | None, got: list[int]) -> dict[str, Any]:
+    """Exact comparison; on mismatch, the first differing position and the reference's gap there."""
+    n = min(len(ref), len(got))
+    diff = next((k for k in range(n) if ref[k] != got[k]), None)
+    if diff is None and len(ref) != len(got):
+        diff = n
+    return {
+        "match": diff is None,
+        "first_diff": diff,
+        "len_ref": len(ref),
+        "len_got": len(got),
+        "ref_gap_at_diff": margins[diff]
+        if (diff is not None and margins and diff < len(margins))
+        else None,
+    }
+
+
+def exactness_report(
+    refs: dict[int, tuple[list[int], list[float]]],
+    outputs_by_engine: dict[str, list[list[int]]],
+) -> dict[str, Any]:
+    """Compare each engine's outputs with the HF references; print and return the verdicts.
+
+    A divergence where the reference's top-1/top-2 logit gap is tiny (random-weight models
+    have gaps of ~1e-3) points at float32 summation order; a large gap points at a bug.
+    """
+    report: dict[str, Any] = {}
+    for name, outs in outputs_by_engine.items():
+        rows = {i: compare_tokens(ref, gaps, outs[i]) for i, (ref, gaps) in refs.items()}
+        ok = sum(r["match"] for r in rows.values())
+        print(f"exactness {name} vs HF float32 one-at-a-time: {ok}/{len(rows)} requests identical")
+        for i, r in rows.items():
+            if not r["match"]:
+                print(
+                    f"  request {i}: first diff at token {r['first_diff']} "
+                    f"(len ref {r['len_ref']}, got {r['len_got']}; "
+                    f"HF top1-top2 logit gap there {fmt(r['ref_gap_at_diff'], '.2e')})"
+                )
+        report[name] = {"identical": ok, "checked": len(rows), "rows": rows}
+    return report
+
+
+def print_ratio(num: dict[str, Any], den: dict[str, Any], target: float | None = None) -> float:
+    """Print ``num/den`` generated-tokens/s ratio (and target verdict); return it."""
+    ratio = num["tok_per_s"] / den["tok_per_s"]
+    line = f"throughput ratio {num['engine']} / {den['engine']} = {ratio:.2f}x"
+    if target:
+        line += f" (target >= {target:g}x: {'PASS' if ratio >= target else 'FAIL'})"
+    print(line)
+    return ratio
+
+
+def workload_sha(workload: list[dict[str, Any]]) -> str:
+    """Short content hash of a workload (to reuse a peer's result only for the same input)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(workload, sort_keys=True).encode()).hexdigest()[:16]

@@ -20,11 +20,14 @@ Runs in the system Python (torch + transformers). CLI: ``python -m benchmarks.hf
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
+    ContentionProbe,
     Timer,
     ensure_model,
     make_workload,
@@ -112,6 +115,30 @@ def hf_greedy_with_margins(
     return out.sequences[0, len(prompt) :].tolist(), margins
 
 
+def _generate_batch(model, batch: list[dict[str, Any]]):
+    """One static batch: left-pad, decode max(max_tokens) steps for every row.
+
+    Returns (sequences, padded prompt length, wall time of the first new token).
+    """
+    import torch
+
+    plen = max(len(r["prompt_token_ids"]) for r in batch)
+    steps = max(r["max_tokens"] for r in batch)
+    ids = torch.zeros((len(batch), plen), dtype=torch.long)
+    mask = torch.zeros((len(batch), plen), dtype=torch.long)
+    for i, r in enumerate(batch):  # left padding
+        p = r["prompt_token_ids"]
+        ids[i, plen - len(p) :] = torch.tensor(p)
+        mask[i, plen - len(p) :] = 1
+    clock = _FirstTokenClock()
+    with torch.inference_mode():
+        seq = model.generate(
+            ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, streamer=clock
+        )
+    assert seq.shape[1] == plen + steps, "generate stopped early: EOS not disabled?"
+    return seq, plen, clock.first_token_time or float("nan")
+
+
 def run_hf_static(
     model_path: str | Path,
     workload: list[dict[str, Any]],
@@ -137,32 +164,22 @@ def run_hf_static(
     outputs: list[list[int]] = [[] for _ in workload]
     ttfts: list[float] = [0.0] * len(workload)
     computed = 0
-    t0 = time.perf_counter()
-    for b0 in range(0, len(workload), batch_size):
-        batch = workload[b0 : b0 + batch_size]
-        plen = max(len(r["prompt_token_ids"]) for r in batch)
-        steps = max(r["max_tokens"] for r in batch)
-        ids = torch.zeros((len(batch), plen), dtype=torch.long)
-        mask = torch.zeros((len(batch), plen), dtype=torch.long)
-        for i, r in enumerate(batch):  # left padding
-            p = r["prompt_token_ids"]
-            ids[i, plen - len(p) :] = torch.tensor(p)
-            mask[i, plen - len(p) :] = 1
-        clock = _FirstTokenClock()
-        with torch.inference_mode():
-            seq = model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=steps,
-                do_sample=False,
-                streamer=clock,
+    with ContentionProbe() as probe:
+        t0 = time.perf_counter()
+        for b0 in range(0, len(workload), batch_size):
+            batch = workload[b0 : b0 + batch_size]
+            seq, plen, first_t = _generate_batch(model, batch)
+            computed += seq.shape[0] * (seq.shape[1] - plen)
+            for i, r in enumerate(batch):
+                outputs[b0 + i] = seq[i, plen : plen + r["max_tokens"]].tolist()
+                ttfts[b0 + i] = first_t - t0
+            print(
+                f"[hf_static] batch {b0 // batch_size + 1}: {len(batch)} rows x "
+                f"{seq.shape[1] - plen} steps, t={time.perf_counter() - t0:.1f} s",
+                file=sys.stderr,
+                flush=True,
             )
-        assert seq.shape[1] == plen + steps, "generate stopped early: EOS not disabled?"
-        computed += len(batch) * steps
-        for i, r in enumerate(batch):
-            outputs[b0 + i] = seq[i, plen : plen + r["max_tokens"]].tolist()
-            ttfts[b0 + i] = (clock.first_token_time or float("nan")) - t0
-    wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0
 
     useful = sum(r["max_tokens"] for r in workload)
     return {
@@ -178,6 +195,7 @@ def run_hf_static(
         "ttfts_s": ttfts,
         "outputs": outputs,
         "threads": torch.get_num_threads(),
+        "contention": probe.as_dict(),
         "peak_rss_mib": peak_rss_mib_self(),
     }
 
@@ -186,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="bench-30m", choices=["bench-30m", "bench-60m"])
     ap.add_argument("--model", help="model folder (default: build/reuse the preset)")
+    ap.add_argument("--workload", type=Path, help="workload JSON (default: make_workload)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -194,7 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
 
     path = a.model or ensure_model(a.preset)
-    wl = make_workload(n=a.num_requests, seed=a.seed)
+    if a.workload:
+        wl = json.loads(a.workload.read_text())
+    else:
+        wl = make_workload(n=a.num_requests, seed=a.seed)
     res = run_hf_static(path, wl, batch_size=a.batch_size, threads=a.threads)
     print_header("HF generate, static batches")
     print(f"model   : {path}\nworkload: {workload_summary(wl)}")

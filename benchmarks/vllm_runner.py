@@ -21,7 +21,7 @@ Self-contained on purpose (standard library + vllm): it imports nothing from kvl
   ``ttft_from_call_s`` = the same instant measured from the start of the ``generate`` call;
 - peak RSS: ``ru_maxrss`` of this process and of its reaped children, plus the peak summed
   RSS of the whole process tree (vLLM runs its engine core in a child process) by /proc
-  polling; ``peak_rss_mib`` is the tree figure;
+  polling (``peak_rss_mib``: summed RSS, ``peak_pss_mib``: summed PSS, shared pages split);
 - each request's output token ids.
 
 Environment set here unless already set: ``VLLM_CPU_KVCACHE_SPACE`` (GiB, from
@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 
 
-def _tree_rss_kib(root: int) -> int:
-    """Summed VmRSS (KiB) of ``root`` and all its descendants."""
+def _tree_pids(root: int) -> list[int]:
+    """``root`` and all its descendants."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -51,30 +51,64 @@ def _tree_rss_kib(root: int) -> int:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d))
-    total, todo = 0, [root]
+    out, todo = [], [root]
     while todo:
         p = todo.pop()
+        out.append(p)
         todo.extend(children.get(p, []))
+    return out
+
+
+def _tree_cpu_s(root: int) -> float:
+    """utime+stime seconds of the live process tree (vLLM's engine core and worker)."""
+    total = 0
+    for p in _tree_pids(root):
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-                    break
+            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(f[11]) + int(f[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _system_busy_s() -> float:
+    f = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_mem_kib(root: int) -> tuple[int, int]:
+    """Summed (RSS, PSS) in KiB of ``root`` and all its descendants.
+
+    RSS summed over processes counts shared pages (torch's libraries, mapped by each of
+    vLLM's processes) once per process; PSS splits them, so its sum is the real footprint.
+    """
+    rss = pss = 0
+    for p in _tree_pids(root):
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss += int(line.split()[1])
+                elif line.startswith("Pss:"):
+                    pss += int(line.split()[1])
         except OSError:
             pass
-    return total
+    return rss, pss
 
 
 class _TreePeak(threading.Thread):
-    """Background /proc poller keeping the peak tree RSS of this process."""
+    """Background /proc poller keeping the peak tree RSS and PSS of this process."""
 
-    def __init__(self, interval: float = 0.2):
+    def __init__(self, interval: float = 0.25):
         super().__init__(daemon=True)
-        self.interval, self.peak_kib, self.stop = interval, 0, threading.Event()
+        self.interval, self.stop = interval, threading.Event()
+        self.peak_rss_kib = self.peak_pss_kib = 0
 
     def run(self) -> None:
         while not self.stop.is_set():
-            self.peak_kib = max(self.peak_kib, _tree_rss_kib(os.getpid()))
+            rss, pss = _tree_mem_kib(os.getpid())
+            self.peak_rss_kib = max(self.peak_rss_kib, rss)
+            self.peak_pss_kib = max(self.peak_pss_kib, pss)
             self.stop.wait(self.interval)
 
 
@@ -135,10 +169,13 @@ def main() -> None:
         SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
         for r in workload
     ]
+    busy0, own0 = _system_busy_s(), _tree_cpu_s(os.getpid())
     call_wall = time.time()
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t1
+    own_cpu = _tree_cpu_s(os.getpid()) - own0
+    foreign_cpu = max(0.0, _system_busy_s() - busy0 - own_cpu)
 
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     n_gen = sum(len(t) for t in token_ids)
@@ -147,9 +184,8 @@ def main() -> None:
         m = getattr(o, "metrics", None)
         lat = getattr(m, "first_token_latency", None) if m is not None else None
         if lat is None or lat <= 0:
-            ttft_note = (
-                "unavailable: RequestOutput.metrics is None/empty "
-                + ("(run with --no-stats)" if a.no_stats else f"(metrics={m!r})")
+            ttft_note = "unavailable: RequestOutput.metrics is None/empty " + (
+                "(run with --no-stats)" if a.no_stats else f"(metrics={m!r})"
             )
             ttft, ttft_call = [], []
             break
@@ -173,9 +209,15 @@ def main() -> None:
         "ttft_from_call_s": ttft_call or None,
         "ttft_method": ttft_note
         or "vLLM RequestOutput.metrics.first_token_latency (first token wall - arrival_time)",
-        "peak_rss_mib": poller.peak_kib / 1024,
+        "peak_rss_mib": poller.peak_rss_kib / 1024,
+        "peak_pss_mib": poller.peak_pss_kib / 1024,
         "peak_rss_self_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_rss_children_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "contention": {
+            "own_cpu_s": own_cpu,
+            "foreign_cpu_s": foreign_cpu,
+            "foreign_cores_avg": foreign_cpu / wall,
+        },
         "settings": {
             "threads": a.threads,
             "kv_space_gib": a.kv_space_gib,
@@ -192,7 +234,9 @@ def main() -> None:
     Path(a.output_json).write_text(json.dumps(res, indent=1))
     print(
         f"[vllm_runner] {res['engine']}: {res['tok_per_s']:.1f} tok/s, wall {wall:.2f} s, "
-        f"startup {startup_s:.1f} s, peak RSS tree {res['peak_rss_mib']:.0f} MiB",
+        f"startup {startup_s:.1f} s, peak tree RSS {res['peak_rss_mib']:.0f} MiB "
+        f"(PSS {res['peak_pss_mib']:.0f} MiB), other processes used "
+        f"{res['contention']['foreign_cores_avg']:.2f} cores meanwhile",
         flush=True,
     )
     del llm

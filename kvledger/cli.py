@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from kvledger.errors import KVLedgerError
 
-COMMANDS = ["plan"]
+COMMANDS = ["plan", "generate", "simulate", "serve"]
 
 
 class _Parser(argparse.ArgumentParser):

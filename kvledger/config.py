@@ -15,7 +15,7 @@ VICTIM_POLICIES = ("remaining", "fcfs", "priority")
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: the model's own context
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"  # auto | swap | recompute
     victim_policy: str = "remaining"  # remaining (with aging) | fcfs (newest first) | priority
@@ -26,15 +26,12 @@ class SchedulerConfig:
     def validate(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive("max_model_len", self.max_model_len)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("victim_policy", self.victim_policy, VICTIM_POLICIES)
         if self.recompute_threshold is not None and self.recompute_threshold < 0:
             raise ConfigError("recompute_threshold must be >= 0")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                "max_num_batched_tokens must be >= max_model_len when chunked prefill is off"
-            )
 
 
 @dataclass

@@ -29,8 +29,6 @@ def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
     eng = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE}
     if kwargs:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(kwargs))}")
-    if "max_model_len" not in sched:
-        sched["max_model_len"] = 1 << 30  # capped to the model's own context at load
     return EngineConfig(
         model=str(model), scheduler=SchedulerConfig(**sched), cache=CacheConfig(**cache), **eng
     )

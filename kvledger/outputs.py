@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvledger.core.request import Logprob
 
@@ -42,4 +42,3 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[Logprob | None] | None = None
     metrics: RequestMetrics | None = None
-    new_token_counts: list[int] = field(default_factory=list)  # tokens added this step, per output

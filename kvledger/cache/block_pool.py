@@ -8,7 +8,7 @@ evicted, least recently freed first, only when an allocation needs room.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from kvledger.errors import CacheError, OutOfBlocksError
@@ -23,6 +23,7 @@ class KVBlock:
     # Exact content behind the hash, checked on every hit so a collision can never alias.
     token_ids: tuple[int, ...] | None = None
     parent_block_id: int | None = None
+    salt: str | None = None  # part of a first block's identity, verified like its tokens
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None = None) -> int:
@@ -57,14 +58,18 @@ class BlockPool:
         return self.num_blocks - len(self._free)
 
     def lookup(
-        self, block_hash: int, token_ids: tuple[int, ...], parent_block_id: int | None
+        self,
+        block_hash: int,
+        token_ids: tuple[int, ...],
+        parent_block_id: int | None,
+        salt: str | None = None,
     ) -> int | None:
         """Block id holding exactly this content after this parent, or None."""
         block_id = self._hash_index.get(block_hash)
         if block_id is None:
             return None
         blk = self.blocks[block_id]
-        if blk.token_ids != token_ids or blk.parent_block_id != parent_block_id:
+        if blk.token_ids != token_ids or blk.parent_block_id != parent_block_id or blk.salt != salt:
             return None
         return block_id
 
@@ -98,9 +103,8 @@ class BlockPool:
         Callers pass a request's blocks in reverse order so that its tail (least likely to
         be shared by a future prompt) is evicted first.
         """
-        for block_id in block_ids:
-            blk = self.blocks[block_id]
-            if blk.ref_cnt <= 0:
+        for block_id, n in Counter(block_ids).items():
+            if self.blocks[block_id].ref_cnt < n:
                 raise CacheError(f"double free of KV block {block_id}")
         for block_id in block_ids:
             blk = self.blocks[block_id]
@@ -119,6 +123,7 @@ class BlockPool:
         block_hash: int,
         token_ids: tuple[int, ...],
         parent_block_id: int | None,
+        salt: str | None = None,
     ) -> None:
         """Publish a just-filled block under its prefix hash (first writer wins)."""
         if not self.enable_caching:
@@ -129,6 +134,7 @@ class BlockPool:
         blk.block_hash = block_hash
         blk.token_ids = token_ids
         blk.parent_block_id = parent_block_id
+        blk.salt = salt
         self._hash_index.setdefault(block_hash, block_id)
 
     def _evict(self, blk: KVBlock) -> None:
@@ -139,6 +145,7 @@ class BlockPool:
         blk.block_hash = None
         blk.token_ids = None
         blk.parent_block_id = None
+        blk.salt = None
         self.num_evictions += 1
 
     def reset_prefix_cache(self) -> int:

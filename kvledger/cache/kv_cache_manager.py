@@ -27,10 +27,8 @@ class _RequestBlocks:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     salt: str | None = None
     host_blocks: dict[int, int] = field(default_factory=dict)  # logical idx -> host block
-
-    @property
-    def swapped(self) -> bool:
-        return bool(self.host_blocks)
+    # Between swap_out and swap_in, even when no block had to move (all of them shared).
+    swapped: bool = False
 
 
 class KVCacheManager:
@@ -103,7 +101,7 @@ class KVCacheManager:
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash_block(parent_hash, tokens, salt if i == 0 else None)
-            block_id = self.pool.lookup(h, tokens, parent_id)
+            block_id = self.pool.lookup(h, tokens, parent_id, salt if i == 0 else None)
             if block_id is None:
                 break
             hits.append(block_id)
@@ -136,7 +134,11 @@ class KVCacheManager:
         if req.num_tokens % self.block_size == 0 or not req.block_table:
             return False
         last = req.block_table[(req.num_tokens - 1) // self.block_size]
-        return last >= 0 and self.pool.blocks[last].ref_cnt > 1
+        if last < 0:
+            return False
+        # A published block (partial again after a trim) is immutable as well.
+        blk = self.pool.blocks[last]
+        return blk.ref_cnt > 1 or blk.block_hash is not None
 
     def allocate_slots(
         self,
@@ -187,6 +189,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         req = self._get(request_id)
+        if req.swapped:
+            raise CacheError(f"request {request_id!r} is swapped out; swap it in first")
         bs = self.block_size
         num_full = min(num_computed_tokens, len(token_ids)) // bs
         parent_hash = req.block_hashes[-1] if req.block_hashes else None
@@ -194,7 +198,9 @@ class KVCacheManager:
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash_block(parent_hash, tokens, req.salt if i == 0 else None)
             parent_id = req.block_table[i - 1] if i > 0 else None
-            self.pool.register_full_block(req.block_table[i], h, tokens, parent_id)
+            self.pool.register_full_block(
+                req.block_table[i], h, tokens, parent_id, req.salt if i == 0 else None
+            )
             req.block_hashes.append(h)
             parent_hash = h
 
@@ -226,6 +232,8 @@ class KVCacheManager:
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Shrink the table to cover ``num_tokens`` (drops slots reserved but never used)."""
         req = self._get(request_id)
+        if req.swapped:
+            raise CacheError(f"request {request_id!r} is swapped out; swap it in first")
         keep = cdiv(num_tokens, self.block_size)
         if keep < len(req.block_table):
             self.pool.free(list(reversed(req.block_table[keep:])))
@@ -266,6 +274,7 @@ class KVCacheManager:
             pairs.append((req.block_table[i], h))
             req.host_blocks[i] = h
             req.block_table[i] = -1
+        req.swapped = True
         # Device blocks go back to the pool (their prefix hash stays: still reusable).
         self.pool.free([d for d, _ in reversed(pairs)])
         return pairs
@@ -288,6 +297,7 @@ class KVCacheManager:
             pairs.append((h, d))
         self.host_pool.free([h for h, _ in pairs])
         req.host_blocks.clear()
+        req.swapped = False
         # The new device copies are private; re-publish full ones lazily via cache_blocks.
         req.block_hashes = req.block_hashes[: self._first_moved(pairs, req)]
         return pairs

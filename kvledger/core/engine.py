@@ -51,13 +51,20 @@ class LLMEngine:
         self.model_dtype = loaded.dtype
         self.hf_config = loaded.hf_config
         self.eos_token_ids = tuple(loaded.eos_token_ids)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = _maybe_tokenizer(config.tokenizer or config.model)
         self.vocab_size = int(self.hf_config["vocab_size"])
         sc, cc = config.scheduler, config.cache
-        model_max = loaded.max_model_len
-        if sc.max_model_len > model_max:
-            logger.info("max_model_len %d capped to the model's %d", sc.max_model_len, model_max)
-            sc.max_model_len = model_max
+        if sc.max_model_len is None:
+            sc.max_model_len = loaded.max_model_len
+        elif sc.max_model_len > loaded.max_model_len:
+            raise ConfigError(
+                f"max_model_len {sc.max_model_len} exceeds the model's context of "
+                f"{loaded.max_model_len} tokens"
+            )
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < sc.max_model_len:
+            raise ConfigError(
+                "max_num_batched_tokens must be >= max_model_len when chunked prefill is off"
+            )
         self.max_model_len = sc.max_model_len
 
         self.spec = ModelSpec.from_hf_config(self.hf_config, name=str(config.model))
@@ -96,6 +103,7 @@ class LLMEngine:
             self.cost_model.swap_bandwidth = config.swap_bandwidth
         if config.prefill_cost:
             self.cost_model.prefill_coeffs = tuple(config.prefill_cost)
+        self.calibration: dict | None = None
         if (
             config.calibrate_preemption
             and sc.preemption_mode == "auto"
@@ -132,6 +140,10 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model folder has no tokenizer; pass prompts as token ids")
         return self.tokenizer(prompt).input_ids
 
     def validate_prompt(self, token_ids: list[int]) -> None:
@@ -267,23 +279,30 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> str | None:
         p = req.sampling_params
-        if req.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in req.eos_token_ids:
-                return "stop"
-            if token in p.stop_token_ids:
-                req.stop_reason = token
-                return "stop"
-            if p.stop:
-                text = self.decode(req)
-                for s in p.stop:
-                    if s in text:
-                        req.stop_reason = s
-                        return "stop"
+        past_min = req.num_output_tokens >= p.min_tokens
+        if past_min and not p.ignore_eos and token in req.eos_token_ids:
+            return "stop"
+        if past_min and token in p.stop_token_ids:
+            req.stop_reason = token
+            return "stop"
+        if p.stop:
+            # Search only text that is new since the last check (plus an overlap for a stop
+            # string split across tokens), so text from before min_tokens never matches.
+            text = self.decode(req)
+            if past_min:
+                start = max(0, req.stop_checked_chars - max(len(s) for s in p.stop) + 1)
+                hits = [(i, s) for s in p.stop if (i := text.find(s, start)) >= 0]
+                if hits:
+                    req.stop_text_pos, req.stop_reason = min(hits)
+                    return "stop"
+            req.stop_checked_chars = len(text)
         if req.num_output_tokens >= req.max_output_tokens:
             return "length"
         return None
 
     def decode(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(
             req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
         )
@@ -315,10 +334,9 @@ class LLMEngine:
         for seq in group.seqs:
             text = self.decode(seq)
             p = seq.sampling_params
-            if isinstance(seq.stop_reason, str):
-                cut = text.find(seq.stop_reason)
-                if cut >= 0:
-                    text = text[: cut + (len(seq.stop_reason) if p.include_stop_str_in_output else 0)]
+            if seq.stop_text_pos is not None:
+                keep = len(seq.stop_reason) if p.include_stop_str_in_output else 0
+                text = text[: seq.stop_text_pos + keep]
             lps = seq.logprobs if p.logprobs is not None else None
             completions.append(
                 CompletionOutput(
@@ -364,6 +382,20 @@ class LLMEngine:
         snap.swap_out_seconds = st["out_s"]
         snap.swap_in_seconds = st["in_s"]
         return snap
+
+
+def _maybe_tokenizer(path: str):
+    """The folder's tokenizer; None for a weights-only folder (token-id prompts only)."""
+    from pathlib import Path
+
+    p = Path(path)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if p.is_dir() and not any((p / f).exists() for f in names):
+        logger.warning("no tokenizer in %s: only token-id prompts are accepted", path)
+        return None
+    tok = load_tokenizer(path)
+    tok.model_max_length = 1 << 60  # the engine checks lengths itself, with a clear error
+    return tok
 
 
 def _plan_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:

@@ -102,7 +102,10 @@ class ModelRunner:
         rows = list(sample_rows)
         for _, first, count, _ in prompt_rows:
             rows.extend(range(first, first + count))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float().cpu()
+        if not rows:
+            return out
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[idx]).float().cpu()
         self._sample(logits[: len(sample_rows)], sample_reqs, out)
         off = len(sample_rows)
         for req, _, count, start in prompt_rows:

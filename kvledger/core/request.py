@@ -49,6 +49,8 @@ class Request:
     # Finishing.
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    stop_checked_chars: int = 0  # output text already searched for stop strings
+    stop_text_pos: int | None = None  # where the matched stop string starts in the text
     # n > 1: children forked from this request after its prompt is computed.
     parent_id: str | None = None
     index: int = 0

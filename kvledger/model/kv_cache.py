@@ -46,7 +46,9 @@ class PagedKVCache:
         self._v_slots.index_copy_(0, slot_mapping, v)
 
     def read(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[block_ids], self.v[block_ids]
+        shape = (*block_ids.shape, *self.k.shape[1:])
+        flat = block_ids.reshape(-1)
+        return self.k.index_select(0, flat).view(shape), self.v.index_select(0, flat).view(shape)
 
 
 def _pairs_to_index(pairs: list[tuple[int, int]], src_device, dst_device):
@@ -91,7 +93,9 @@ class KVCachePool:
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block occupies across all layers (K and V)."""
-        return sum(t[:, 0].numel() * t.element_size() for layer in self.layers for t in layer.storage)
+        return sum(
+            t[:, 0].numel() * t.element_size() for layer in self.layers for t in layer.storage
+        )
 
     @property
     def num_bytes(self) -> int:

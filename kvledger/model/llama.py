@@ -17,7 +17,14 @@ from kvledger.model.attention.backend import AttentionBackend
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
 from kvledger.model.kv_cache import LayerKVCache
-from kvledger.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from kvledger.model.layers import (
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
 
 
 @dataclass
@@ -53,10 +60,8 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         # q, k, v in one matmul: one weight read and one dispatch instead of three.
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -73,15 +78,20 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k are adjacent in the fused output: rotate them as one [T, H + K, D] tensor.
+            qk = qkv[:, :qk_size].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = apply_rotary(self.q_norm(q), cos, sin)
+            k = apply_rotary(self.k_norm(k), cos, sin)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o)
 
@@ -115,7 +125,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -133,9 +143,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         # The RoPE tables are computed, not loaded: built on the real device even when the
         # weights are constructed on the meta device.
@@ -147,8 +155,6 @@ class LlamaForCausalLM(nn.Module):
             device=rope_device,
         )
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
-        for p in self.parameters():
-            p.requires_grad_(False)
 
     @property
     def dtype(self) -> torch.dtype:

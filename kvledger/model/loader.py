@@ -1,8 +1,9 @@
 """Hugging Face model folder → ready-to-run model: config.json, safetensors weights, tokenizer.
 
-Local folders only (never a hub). The weights go straight from the safetensors files into
-preallocated parameters (built on the meta device, then materialised once), fusing q/k/v and
-gate/up on the way, so startup costs little more than reading the file.
+Local folders only (never a hub). The model is built on the meta device, then each parameter
+is either the memory-mapped safetensors tensor itself (CPU, same dtype) or one copy of it
+(fused q/k/v and gate/up, dtype conversion, CUDA), so startup costs little more than mapping
+the file. Weight files must not be rewritten in place while a model is loaded from them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
+# Fallback when config.json lacks "architectures" (a bare config.save_pretrained()).
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -33,6 +42,7 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+
 
 @dataclass
 class LoadedModel:
@@ -104,7 +114,8 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
 def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Validate an HF config dict for the architectures we implement and normalise it."""
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else cfg.get("model_type", "<none>")
+    model_type = cfg.get("model_type", "<none>")
+    arch = archs[0] if archs else _MODEL_TYPES.get(model_type, model_type)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -202,8 +213,9 @@ def _sources(model: LlamaForCausalLM) -> dict[str, list[tuple[str, int, int]]]:
 def load_weights(
     model: LlamaForCausalLM, path: Path, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Fill a meta-device model from safetensors: each tensor is copied once, straight into its
-    (possibly fused) parameter, converting dtype on the way."""
+    """Fill a meta-device model from safetensors. A tensor that needs no change (CPU, same dtype,
+    not fused) becomes its parameter as a view of the memory-mapped file; the rest are copied
+    once, straight into their (possibly fused) parameter, converting dtype on the way."""
     files = _weight_files(path)
     sources = _sources(model)
     missing = [hf for pieces in sources.values() for hf, _, _ in pieces if hf not in files]
@@ -211,25 +223,28 @@ def load_weights(
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ConfigError(f"model folder {path} lacks {len(missing)} weight(s): {shown}")
 
-    state = {
-        name: torch.empty(param.shape, dtype=dtype, device=device)
-        for name, param in model.named_parameters()
-    }
+    shapes = {name: param.shape for name, param in model.named_parameters()}
     by_file: dict[Path, list[tuple[str, str, int, int]]] = defaultdict(list)
     for name, pieces in sources.items():
         for hf, row, n in pieces:
             by_file[files[hf]].append((name, hf, row, n))
+    state: dict[str, torch.Tensor] = {}
     for file, entries in by_file.items():
         with safe_open(file, framework="pt", device="cpu") as f:
             for name, hf, row, n in entries:
-                t = f.get_tensor(hf)
-                dst = state[name][row : row + n]
-                if t.shape != dst.shape:
+                t = f.get_tensor(hf)  # a view of the memory-mapped file: no copy yet
+                shape = shapes[name]
+                if t.shape != (n, *shape[1:]):
                     raise ConfigError(
                         f"weight {hf} in {file.name} has shape {tuple(t.shape)}, "
-                        f"config implies {tuple(dst.shape)}"
+                        f"config implies {(n, *shape[1:])}"
                     )
-                dst.copy_(t)
+                if len(sources[name]) == 1 and t.dtype == dtype and device.type == "cpu":
+                    state[name] = t  # zero-copy: pages come in from the page cache on first use
+                    continue
+                if name not in state:
+                    state[name] = torch.empty(shape, dtype=dtype, device=device)
+                state[name][row : row + n].copy_(t)
     model.load_state_dict(state, strict=False, assign=True)
 
 

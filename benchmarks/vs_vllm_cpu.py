@@ -1,0 +1,213 @@
+"""kvledger vs vLLM's CPU build (issue 7).
+
+Same token-id workload for both: 64 requests, prompts 32-256 tokens, outputs 16-64 tokens
+for 90% and 256-512 for 10%, greedy, ignore_eos; random-weight float32 Llama "bench-60m"
+(8 layers, hidden 512, GQA 8/2, 60.0M params). vLLM runs in its own virtualenv
+(``benchmarks/setup_vllm_env.sh``) as a separate process (``benchmarks/vllm_runner.py``,
+block size 32, ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``);
+kvledger runs in a fresh system-Python process (``benchmarks/kvledger_runner.py``).
+
+Exactness: both engines' greedy tokens are compared with HF float32 greedy decoding run one
+request at a time on a subset (``--check-n``), and with each other on every request.
+
+    bash benchmarks/setup_vllm_env.sh                  # once
+    python -m benchmarks.vs_vllm_cpu                   # both engines
+    python -m benchmarks.vs_vllm_cpu --only vllm       # one engine alone
+    python -m benchmarks.vs_vllm_cpu --only kvledger --reuse-vllm   # compare with last vLLM run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    BENCH_OUT,
+    REPO_ROOT,
+    ProcTreeRSSPoller,
+    compare_tokens,
+    ensure_model,
+    exactness_report,
+    hf_references,
+    make_workload,
+    model_num_params,
+    pick_check_indices,
+    print_header,
+    print_ratio,
+    print_result_table,
+    run_engine_subprocess,
+    save_json,
+    workload_sha,
+    workload_summary,
+)
+
+DEFAULT_VENV = os.environ.get("VLLM_VENV", "/work/bench_envs/vllm")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="kvledger vs vLLM CPU")
+    ap.add_argument("--only", choices=["vllm", "kvledger"], help="run a single engine")
+    ap.add_argument("--preset", default="bench-60m", choices=["bench-30m", "bench-60m"])
+    ap.add_argument("--model", help="model folder (default: build/reuse the preset)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="for both engines")
+    ap.add_argument("--vllm-venv", default=DEFAULT_VENV, help="env VLLM_VENV")
+    ap.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--vllm-block-size", type=int, default=32, help="vLLM CPU attention: 32")
+    ap.add_argument("--vllm-enforce-eager", action="store_true", help="no torch.compile")
+    ap.add_argument("--vllm-timeout", type=int, default=1800, help="seconds")
+    ap.add_argument(
+        "--reuse-vllm",
+        action="store_true",
+        help="reuse OUT_DIR/vllm.json if it was made for the same model and workload",
+    )
+    ap.add_argument("--block-size", type=int, help="kvledger block size")
+    ap.add_argument("--num-kv-blocks", type=int, help="kvledger KV blocks")
+    ap.add_argument("--max-num-batched-tokens", type=int, help="kvledger token budget")
+    ap.add_argument("--check-n", type=int, default=8, help="requests in the HF exactness check")
+    ap.add_argument("--strict", action="store_true", help="exit 1 on failure or mismatch")
+    ap.add_argument("--out-dir", type=Path, default=BENCH_OUT / "vs_vllm_cpu")
+    return ap.parse_args(argv)
+
+
+def run_vllm(a: argparse.Namespace, model: Path, wl_path: Path, fingerprint: dict) -> dict:
+    """Run ``vllm_runner.py`` in the vLLM venv (log to OUT_DIR/vllm.log); load its JSON."""
+    out = a.out_dir / "vllm.json"
+    if a.reuse_vllm and out.exists():
+        prev = json.loads(out.read_text())
+        if prev.get("fingerprint") == fingerprint:
+            print(f"\nreusing {out} (same model and workload)")
+            return prev
+        print(f"\n{out} is for another model/workload: running vLLM again")
+    py = Path(a.vllm_venv) / "bin" / "python"
+    if not py.exists():
+        raise RuntimeError(f"no vLLM venv at {a.vllm_venv}: run benchmarks/setup_vllm_env.sh")
+    cmd = [
+        str(py),
+        str(REPO_ROOT / "benchmarks" / "vllm_runner.py"),
+        str(model),
+        str(wl_path),
+        str(out),
+        "--threads",
+        str(a.threads),
+        "--kv-space-gib",
+        str(a.kv_space_gib),
+        "--block-size",
+        str(a.vllm_block_size),
+    ] + (["--enforce-eager"] if a.vllm_enforce_eager else [])
+    log = a.out_dir / "vllm.log"
+    print(f"\n$ {' '.join(cmd)}  > {log} 2>&1", flush=True)
+    if out.exists():
+        out.unlink()
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        with ProcTreeRSSPoller(proc.pid) as poll:
+            try:
+                rc = proc.wait(timeout=a.vllm_timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = "timeout"
+    if rc != 0 or not out.exists():
+        tail = "\n".join(log.read_text().splitlines()[-25:])
+        raise RuntimeError(f"vllm_runner exited with {rc}; last log lines:\n{tail}")
+    res = json.loads(out.read_text())
+    res["peak_rss_tree_mib_outer"] = poll.peak_mib
+    res["fingerprint"] = fingerprint
+    save_json(res, out)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    import torch  # only so the header shows torch's version and threads
+
+    torch.set_num_threads(a.threads)
+    model = Path(a.model or ensure_model(a.preset, a.seed))
+    wl = make_workload(n=a.num_requests, seed=a.seed)
+    wl_path = a.out_dir / "workload.json"
+    save_json(wl, wl_path)
+    fingerprint = {"model": str(model), "workload_sha": workload_sha(wl)}
+
+    print_header("kvledger vs vLLM CPU")
+    print(f"model   : {model} ({model_num_params(model) or '?'} params, float32)")
+    print(f"workload: {workload_summary(wl)}, sha {fingerprint['workload_sha']}")
+
+    results: dict[str, dict[str, Any]] = {}
+    failures: dict[str, str] = {}
+    if a.only in (None, "vllm"):
+        try:
+            results["vllm"] = run_vllm(a, model, wl_path, fingerprint)
+        except RuntimeError as e:
+            failures["vllm"] = str(e)
+    if a.only in (None, "kvledger"):
+        kv_args = ["--model", str(model), "--workload", str(wl_path), "--threads", str(a.threads)]
+        for flag, v in (
+            ("--block-size", a.block_size),
+            ("--num-kv-blocks", a.num_kv_blocks),
+            ("--max-num-batched-tokens", a.max_num_batched_tokens),
+        ):
+            if v is not None:
+                kv_args += [flag, str(v)]
+        try:
+            results["kvledger"] = run_engine_subprocess(
+                "benchmarks.kvledger_runner", kv_args, a.out_dir / "kvledger.json"
+            )
+        except RuntimeError as e:
+            failures["kvledger"] = str(e)
+        if a.only == "kvledger" and a.reuse_vllm and (a.out_dir / "vllm.json").exists():
+            prev = json.loads((a.out_dir / "vllm.json").read_text())
+            if prev.get("fingerprint") == fingerprint:
+                results["vllm"] = prev
+
+    print()
+    print_result_table(list(results.values()))
+    if "vllm" in results:
+        v = results["vllm"]
+        print(
+            f"vLLM: peak RSS is summed over its process tree (main, EngineCore, worker); "
+            f"summed PSS {v.get('peak_pss_mib', 0):.0f} MiB. TTFT: {v['ttft_method']}"
+        )
+    if "kvledger" in results:
+        print(f"kvledger TTFT: {results['kvledger']['ttft_method']}")
+    for name, err in failures.items():
+        print(f"{name}: FAILED ({err})")
+
+    ratio, exact, cross = None, None, None
+    if "vllm" in results and "kvledger" in results:
+        ratio = print_ratio(results["kvledger"], results["vllm"])
+        kv, vl = results["kvledger"]["outputs"], results["vllm"]["outputs"]
+        same = sum(compare_tokens(x, None, y)["match"] for x, y in zip(vl, kv))
+        cross = {"identical": same, "checked": len(wl)}
+        print(f"exactness kvledger vs vLLM (all requests): {same}/{len(wl)} identical")
+    if results and a.check_n > 0:
+        refs = hf_references(model, wl, pick_check_indices(wl, a.check_n))
+        exact = exactness_report(refs, {k: v["outputs"] for k, v in results.items()})
+
+    summary = {
+        "command": " ".join(sys.argv),
+        **fingerprint,
+        "results": {
+            k: {kk: vv for kk, vv in v.items() if kk not in ("outputs", "ttft_s")}
+            for k, v in results.items()
+        },
+        "failures": failures,
+        "ratio_kvledger_over_vllm": ratio,
+        "exactness_vs_hf": exact,
+        "exactness_kvledger_vs_vllm": cross,
+    }
+    save_json(summary, a.out_dir / "summary.json")
+    print(f"results in {a.out_dir}/")
+    bad = bool(failures)
+    if exact:
+        bad |= any(e["identical"] != e["checked"] for e in exact.values())
+    return 1 if (a.strict and bad) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

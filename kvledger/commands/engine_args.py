@@ -1,0 +1,60 @@
+"""Engine options shared by every command that builds an engine (generate, serve, bench)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument(
+        "--kv-cache-memory", default=None, help="KV pool size in bytes (e.g. 2GiB); default: sized from free memory"
+    )
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "fp8_int8"])
+    g.add_argument("--kv-sink-tokens", type=int, default=4)
+    g.add_argument("--kv-recent-tokens", type=int, default=0)
+    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped blocks")
+    g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
+    g.add_argument("--victim-policy", default="remaining", choices=["remaining", "fcfs", "priority"])
+    g.add_argument("--recompute-threshold", type=int, default=None, help="recompute victims shorter than this")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword options for ``LLM(...)`` / ``build_engine_config`` from parsed flags."""
+    from kvledger.ledger.accounting import parse_size
+
+    kw: dict[str, Any] = {
+        "dtype": args.dtype,
+        "device": args.device,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_sink_tokens": args.kv_sink_tokens,
+        "kv_recent_tokens": args.kv_recent_tokens,
+        "swap_space": args.swap_space,
+        "preemption_mode": args.preemption_mode,
+        "victim_policy": args.victim_policy,
+        "recompute_threshold": args.recompute_threshold,
+        "max_num_seqs": args.max_num_seqs,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "enable_chunked_prefill": not args.no_chunked_prefill,
+        "seed": args.seed,
+    }
+    if args.kv_cache_memory is not None:
+        kw["kv_cache_memory"] = parse_size(args.kv_cache_memory)
+    if args.max_model_len is not None:
+        kw["max_model_len"] = args.max_model_len
+    if args.max_num_batched_tokens is not None:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kw

@@ -1,0 +1,162 @@
+"""`kvledger serve [MODEL]`: the OpenAI-compatible HTTP server (completions, chat, ledger,
+Prometheus metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from kvledger.commands.engine_args import add_engine_args, engine_kwargs
+from kvledger.errors import ConfigError
+
+SHUTDOWN_GRACE_S = 5  # seconds in-flight responses get to finish on Ctrl-C / SIGTERM
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over HTTP: /v1/completions, /v1/chat/completions (SSE "
+        "streaming), /v1/models, /v1/ledger (the live KV ledger), /metrics (Prometheus), "
+        "/health. With no MODEL, serves the embedded default kvledger-tiny (fixed-seed RANDOM "
+        "weights: gibberish text, real code path).",
+    )
+    p.add_argument(
+        "model", nargs="?", default=None, help="HF model folder (default: kvledger-tiny)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVLEDGER_API_KEY; "
+        "/health and /metrics stay open)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model' (default: MODEL as given, or kvledger-tiny)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template, as a file or the template itself (default: the tokenizer's)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        default="1MiB",
+        help="larger request bodies get a 413 (default: 1MiB)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="log level (default: info)",
+    )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice, one per core); small models on "
+        "a busy machine run far faster with 1",
+    )
+    add_engine_args(p)
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a file's contents, or the Jinja template itself."""
+    path = Path(value)
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. a template too long to be a path
+        is_file = False
+    if is_file:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read chat template {value!r}: {e}") from None
+    elif "{" in value:
+        # A one-line shell argument: read "\\n" as a newline, as vLLM does.
+        text = (
+            value.encode().decode("unicode_escape") if "\\n" in value and value.isascii() else value
+        )
+    else:
+        raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"chat template does not parse: {e}") from None
+    return text
+
+
+def capacity_line(engine: Any) -> str:
+    """The ledger's capacity, as `kvledger plan` would state it for this pool."""
+    from kvledger.cache.kv_cache_manager import cdiv
+    from kvledger.ledger.accounting import format_bytes
+
+    blocks, bs = engine.kv.pool.num_blocks, engine.kv.block_size
+    max_len = engine.max_model_len
+    concurrency = blocks // cdiv(max_len, bs)
+    return (
+        f"KV cache: {blocks:,} blocks x {bs} tokens = {blocks * bs:,} tokens, "
+        f"{engine.bytes_per_token:,} bytes/token, {format_bytes(blocks * bs * engine.bytes_per_token)}; "
+        f"max concurrency at max-model-len {max_len}: {concurrency} requests"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvledger.ledger.accounting import parse_size
+
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(levelname)s:     %(name)s: %(message)s")
+    log = logging.getLogger("kvledger.server")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    max_body = parse_size(args.max_body_bytes)
+    if max_body <= 0:
+        raise ConfigError("--max-body-bytes must be positive")
+    template = load_chat_template(args.chat_template) if args.chat_template else None
+    api_key = args.api_key or os.environ.get("KVLEDGER_API_KEY") or None
+
+    if args.torch_threads is not None and args.torch_threads < 1:
+        raise ConfigError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+
+    import prometheus_client
+    import torch
+    import uvicorn
+
+    from kvledger.core.engine import LLMEngine
+    from kvledger.llm import build_engine_config
+    from kvledger.server.app import ServerConfig, build_app
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    prometheus_client.disable_created_metrics()  # no *_created series, as in vLLM
+    engine = LLMEngine(build_engine_config(args.model, **engine_kwargs(args)))
+    names = args.served_model_name or [args.model or "kvledger-tiny"]
+    log.info("model %s served as %s", engine.config.model, ", ".join(repr(n) for n in names))
+    log.info(capacity_line(engine))
+    if args.model is None:
+        log.warning("kvledger-tiny has fixed-seed RANDOM weights: its text is gibberish by design")
+    config = ServerConfig(
+        served_model_names=names,
+        model_path=str(engine.config.model),
+        api_key=api_key,
+        chat_template=template,
+        max_body_bytes=max_body,
+    )
+    app = build_app(engine, config)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    return 0

@@ -1,0 +1,330 @@
+"""asyncio front end over LLMEngine: requests arrive and leave between steps.
+
+A step is blocking torch compute, so one background thread owns the engine: it applies the
+calls queued by the event loop (add, abort, reads) and runs ``step()`` while work remains,
+all under one lock, since the engine is not thread-safe. Outputs go back to per-request
+streams through ``loop.call_soon_threadsafe``. A stream keeps only the newest output: each
+RequestOutput is cumulative (full text, tokens, logprobs), so a slow reader skips states
+instead of queueing them, and its memory stays one output however far behind it falls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeVar
+
+from kvledger.core.engine import LLMEngine
+from kvledger.errors import InvalidRequestError
+from kvledger.outputs import RequestOutput
+from kvledger.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvledger")
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shutdown, or a bug in a step); no request can proceed."""
+
+
+class EngineObserver(Protocol):
+    """Hooks called in the engine thread (metrics); they must be cheap and never raise."""
+
+    def on_request_added(self, num_prompt_tokens: int) -> None: ...
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None: ...
+
+
+class RequestStream:
+    """The outputs of one request, newest first-come: iterate until ``finished``."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = []
+        self.finished = False
+        self._owner = owner
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    # Called on the event loop by the owner.
+    def _put(self, out: RequestOutput) -> None:
+        self._latest = out
+        self._ready.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        while self._latest is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._latest is None:
+            self.finished = True
+            raise self._error  # type: ignore[misc]
+        out, self._latest = self._latest, None
+        if out.finished:
+            self.finished = True
+            self._owner._streams.pop(self.request_id, None)
+        return out
+
+    def abort(self) -> None:
+        """Stop generating (idempotent); the request's blocks return to the pool at once."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None) -> None:
+        self.engine = engine
+        engine.stream_outputs = True
+        self.observer = observer
+        self._lock = threading.Lock()  # held around every engine call
+        self._cond = threading.Condition()  # guards _ops and wakes the engine thread
+        self._ops: list[tuple[Callable[[], Any], asyncio.Future | None]] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self.dead: BaseException | None = None
+        # Token id -> text for logprobs; filled by the engine thread, where decoding is safe.
+        self.token_text: dict[int, str] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvledger-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread after its current step, abort everything, end every stream."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        with self._lock:
+            for rid in list(self.engine.groups):
+                self.engine.abort_request(rid)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    # -- requests -------------------------------------------------------------------------------
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
+        """Tokenize, validate and queue a request; raises InvalidRequestError before queueing.
+
+        Unlike the offline API, a request whose prompt plus ``max_tokens`` exceeds the context
+        is refused (as OpenAI and vLLM do) instead of being cut short silently.
+        """
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        arrival = time.monotonic()
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+
+        def add() -> list[int]:
+            eng = self.engine
+            if isinstance(prompt, str):
+                if eng.tokenizer is None:
+                    raise InvalidRequestError("this model has no tokenizer; send token ids")
+                ids = eng.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+            else:
+                ids = list(prompt)
+            eng.validate_prompt(ids)
+            if params.max_tokens is not None and len(ids) + params.max_tokens > eng.max_model_len:
+                raise InvalidRequestError(
+                    f"this model's maximum context length is {eng.max_model_len} tokens, but "
+                    f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
+                    f"{params.max_tokens} for the completion); reduce the prompt or max_tokens"
+                )
+            eng.add_request(ids, params, request_id, arrival_time=arrival, priority=priority)
+            if isinstance(prompt, str):
+                eng.groups[request_id].prompt = prompt
+            if self.observer is not None:
+                self.observer.on_request_added(len(ids))
+            return ids
+
+        try:
+            stream.prompt_token_ids = await self._call(add)
+        except BaseException:
+            self.abort(request_id)  # queued after the add: a no-op unless the caller went away
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Every update of one request until it finishes; leaving early aborts it."""
+        stream = await self.add_request(prompt, params, request_id, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort without waiting: the engine drops it before its next step."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.finished = True
+
+        def abort() -> None:
+            eng = self.engine
+            group = eng.groups.get(request_id)
+            if group is None:
+                return
+            eng.abort_request(request_id)
+            if self.observer is not None:
+                self.observer.on_outputs([eng.make_output(group)])
+
+        self._submit(abort, None)
+
+    async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` in the engine thread between steps: a consistent read."""
+        return await self._call(lambda: fn(self.engine))
+
+    async def ledger(self) -> dict[str, Any]:
+        """The live ledger (``LedgerSnapshot.to_dict()``) plus the scheduler's queue sizes."""
+
+        def read(eng: LLMEngine) -> dict[str, Any]:
+            d = eng.ledger().to_dict()
+            s = eng.scheduler
+            d["num_requests"] = {
+                "running": len(s.running),
+                "waiting": len(s.waiting),
+                "swapped": len(s.swapped),
+            }
+            return d
+
+        return await self.run_in_engine(read)
+
+    # -- plumbing -------------------------------------------------------------------------------
+    async def _call(self, fn: Callable[[], T]) -> T:
+        if self._thread is None:
+            self.start()
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._submit(fn, fut)
+        return await fut
+
+    def _submit(self, fn: Callable[[], Any], fut: asyncio.Future | None) -> None:
+        with self._cond:
+            if self.dead is not None or self._stopping:
+                if fut is not None:
+                    fut.set_exception(
+                        EngineDeadError(f"engine is not running: {self.dead or 'stopped'}")
+                    )
+                return
+            self._ops.append((fn, fut))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not (self._ops or self._stopping or eng.has_unfinished_requests()):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    ops, self._ops = self._ops, []
+                with self._lock:
+                    for fn, fut in ops:
+                        try:
+                            result = fn()
+                        except Exception as e:  # a caller's error (bad request): theirs alone
+                            self._resolve(fut, None, e)
+                        else:
+                            self._resolve(fut, result, None)
+                    outs = eng.step() if eng.has_unfinished_requests() else []
+                    if outs:
+                        self._fill_token_text(outs)
+                        if self.observer is not None:
+                            self.observer.on_outputs(outs)
+                if outs:
+                    self._post(self._dispatch, outs)
+                else:  # a prefill chunk, or no progress at all: never spin hot
+                    with self._cond:
+                        if not self._ops and not self._stopping:
+                            self._cond.wait(0.001)
+        except BaseException as e:  # a bug in a step: fail everyone loudly, keep serving errors
+            logger.exception("engine step failed; the engine is stopped")
+            self.dead = e
+        finally:
+            with self._cond:
+                ops, self._ops = self._ops, []
+                self._stopping = True
+            err = EngineDeadError(f"engine is not running: {self.dead or 'stopped'}")
+            for _, fut in ops:
+                self._resolve(fut, None, err)
+            self._post(self._fail_all, err)
+
+    def _fill_token_text(self, outs: list[RequestOutput]) -> None:
+        """Decode the tokens logprobs mention, here where the tokenizer is safe to use."""
+        tok, cache = self.engine.tokenizer, self.token_text
+        if tok is None:
+            return
+        for out in outs:
+            for c in out.outputs:
+                for lp in c.logprobs or ():
+                    for t in (lp.token_id, *lp.top):
+                        if t not in cache:
+                            cache[t] = tok.decode([t])
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _resolve(
+        self, fut: asyncio.Future | None, result: Any, error: BaseException | None
+    ) -> None:
+        if fut is None:
+            return
+
+        def set_() -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        self._post(set_)
+
+    def _dispatch(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream._put(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._fail(error)

@@ -1,0 +1,686 @@
+"""The OpenAI-compatible HTTP server: FastAPI over AsyncEngine.
+
+Every error reaches the client as OpenAI's error JSON. Input errors (bad parameters, a prompt
+longer than the context, anything the engine raises as KVLedgerError) are 400s and touch no
+other request; a 500 means a bug in kvledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvledger.core.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from kvledger.core.engine import LLMEngine
+from kvledger.core.request import Logprob
+from kvledger.errors import KVLedgerError
+from kvledger.outputs import CompletionOutput, RequestOutput
+from kvledger.sampling_params import SamplingParams
+from kvledger.server.metrics import EngineState, ServerMetrics
+from kvledger.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+
+logger = logging.getLogger("kvledger.server")
+
+T = TypeVar("T")
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    model_path: str = ""
+    api_key: str | None = None
+    chat_template: str | None = None  # overrides the tokenizer's
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code = param, code
+
+
+def error_response(
+    status: int,
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+class _Guard:
+    """ASGI middleware: the API key on /v1/*, then the body-size limit, before any parsing."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            auth = headers.get(b"authorization", b"")
+            scheme, _, key = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
+                msg = "missing API key" if not auth else "incorrect API key"
+                resp = error_response(
+                    401, f"{msg}: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
+                await resp(scope, receive, send)
+                return
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            too_big = error_response(
+                413,
+                f"request body is larger than the server's limit of {self.max_body_bytes} bytes",
+                code="request_too_large",
+            )
+            length = headers.get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+                await too_big(scope, receive, send)
+                return
+            # Read the body here (within the limit) and replay it to the app.
+            chunks, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > self.max_body_bytes:
+                    await too_big(scope, receive, send)
+                    return
+                if not message.get("more_body", False):
+                    break
+            body = b"".join(chunks)
+            replayed = False
+
+            async def replay() -> Message:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()  # later calls report the disconnect
+
+            await self.app(scope, replay, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that runs ``on_close`` however it ends (done, disconnect, error)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+@dataclass
+class _Delta:
+    """What one streamed choice has sent so far."""
+
+    text: str = ""
+    num_tokens: int = 0
+    finished: bool = False
+
+
+def _advance(d: _Delta, c: CompletionOutput, holdback: int) -> tuple[str, int, bool] | None:
+    """The next (text delta, first new token index, finished) of a choice; None: nothing new.
+
+    The text is decoded whole each time and the new suffix sent. While unfinished, a trailing
+    U+FFFD (an incomplete UTF-8 character) and the last ``holdback`` characters (a stop string
+    may be forming) wait, so the chunks always add up to the final, non-streamed text.
+    """
+    if d.finished:
+        return None
+    finished = c.finish_reason is not None
+    text = c.text
+    if not finished:
+        end = max(len(text) - holdback, 0)
+        while end > 0 and text[end - 1] == "\ufffd":
+            end -= 1
+        text = text[:end]
+    if not text.startswith(d.text):  # the decode changed text already sent (rare)
+        logger.debug("streamed text diverged from the decode of %s", c.token_ids)
+    delta = text[len(d.text) :]
+    if len(text) >= len(d.text) or finished:
+        d.text = text
+    first = d.num_tokens
+    d.num_tokens = len(c.token_ids)
+    d.finished = finished
+    new_logprobs = c.logprobs is not None and d.num_tokens > first
+    if not delta and not finished and not new_logprobs:
+        return None
+    return delta, first, finished
+
+
+def _clamp(x: float) -> float:
+    return x if x > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def _usage(outs: list[RequestOutput | None], prompt_lens: list[int]) -> UsageInfo:
+    completion = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
+    prompt = sum(prompt_lens)
+    cached = sum(o.num_cached_tokens for o in outs if o is not None)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _sse(payload: Any) -> str:
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _until_disconnect(request: Request, coro: Coroutine[Any, Any, T]) -> T | None:
+    """Await ``coro``; None if the client went away first (``coro`` is then cancelled)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        return None
+    return work.result()
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    model_name = config.served_model_names[0]
+    metrics = ServerMetrics(model_name)
+    aengine = AsyncEngine(engine, observer=metrics)
+    tokenizer = engine.tokenizer
+    chat_template = config.chat_template or (
+        getattr(tokenizer, "chat_template", None) if tokenizer else None
+    )
+    max_n = engine.config.scheduler.max_num_seqs
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aengine.start()
+        try:
+            yield
+        finally:
+            aengine.shutdown()
+            logger.info("engine stopped; every request aborted")
+
+    app = FastAPI(title="kvledger", version="0.1.0", lifespan=lifespan)
+    app.state.engine = aengine
+    app.state.metrics = metrics
+    app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+
+    # -- errors ------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(KVLedgerError)
+    async def _kvledger_error(_: Request, e: KVLedgerError) -> JSONResponse:
+        return error_response(400, str(e))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(e), type="server_error", code="engine_unavailable")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the body is not valid JSON: {first.get('msg', '')}")
+        msgs = []
+        for err in errors[:5]:
+            where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+            msgs.append(f"{where}: {err.get('msg', 'invalid')}")
+        return error_response(400, "; ".join(msgs), param=".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return error_response(e.status_code, str(e.detail), type=kind)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+
+    # -- helpers -----------------------------------------------------------------------------
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in config.served_model_names:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_params(params: SamplingParams) -> None:
+        if params.n > max_n:
+            raise APIError(400, f"n must be <= {max_n} (--max-num-seqs)", param="n")
+
+    async def add_all(
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        rid: str,
+        priority: int,
+        add_special_tokens: bool = True,
+    ) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                sub = rid if len(prompts) == 1 else f"{rid}-{i}"
+                streams.append(
+                    await aengine.add_request(p, params, sub, priority, add_special_tokens)
+                )
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    def abort_all(streams: list[RequestStream]) -> Callable[[], None]:
+        def close() -> None:
+            for s in streams:
+                s.abort()
+
+        return close
+
+    async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+        last: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in _merged(streams):
+            last[i] = out
+        return last  # type: ignore[return-value]
+
+    def text_of(t: int) -> str:
+        return aengine.token_text.get(t, "")
+
+    def completion_logprobs(lps: list[Logprob], offset: int) -> CompletionLogprobs:
+        res = CompletionLogprobs()
+        for lp in lps:
+            tok = text_of(lp.token_id)
+            top = {text_of(k): _clamp(v) for k, v in lp.top.items()}
+            top.setdefault(tok, _clamp(lp.logprob))
+            res.tokens.append(tok)
+            res.token_logprobs.append(_clamp(lp.logprob))
+            res.top_logprobs.append(top)
+            res.text_offset.append(offset)
+            offset += len(tok)
+        return res
+
+    def chat_logprobs(lps: list[Logprob]) -> ChatLogprobs:
+        content = []
+        for lp in lps:
+            tok = text_of(lp.token_id)
+            tops = sorted(lp.top.items(), key=lambda kv: -kv[1])
+            content.append(
+                TokenLogprob(
+                    token=tok,
+                    logprob=_clamp(lp.logprob),
+                    bytes=list(tok.encode()),
+                    top_logprobs=[
+                        TopLogprob(
+                            token=text_of(k), logprob=_clamp(v), bytes=list(text_of(k).encode())
+                        )
+                        for k, v in tops
+                    ],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def holdback(params: SamplingParams) -> int:
+        return max((len(s) for s in params.stop), default=1) - 1
+
+    # -- endpoints ---------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if not aengine.is_running:
+            return error_response(503, "the engine is not running", type="server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=n,
+                    created=config.created,
+                    root=config.model_path,
+                    max_model_len=engine.max_model_len,
+                )
+                for n in config.served_model_names
+            ]
+        )
+
+    @app.get("/v1/ledger")
+    async def ledger() -> JSONResponse:
+        d = await aengine.ledger()
+        d["model"] = model_name
+        d["max_model_len"] = engine.max_model_len
+        return JSONResponse(d)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        state = await aengine.run_in_engine(EngineState.capture)
+        return Response(
+            metrics.render(state), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        params = body.to_sampling_params()
+        check_params(params)
+        prompts = body.prompts()
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = await add_all(prompts, params, rid, body.priority)
+        echo = [p if isinstance(p, str) else "" for p in prompts] if body.echo else None
+        if body.stream:
+            gen = completion_stream(body, params, streams, rid, created, echo)
+            return _SSEResponse(gen, on_close=abort_all(streams))
+        try:
+            outs = await _until_disconnect(request, final_outputs(streams))
+        finally:
+            abort_all(streams)()  # a no-op for finished streams
+        if outs is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        choices = []
+        for i, out in enumerate(outs):
+            prefix = echo[i] if echo else ""
+            for c in out.outputs:
+                choices.append(
+                    CompletionChoice(
+                        index=i * params.n + c.index,
+                        text=prefix + c.text,
+                        logprobs=completion_logprobs(c.logprobs, 0)
+                        if c.logprobs is not None
+                        else None,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        resp = CompletionResponse(
+            id=rid,
+            created=created,
+            model=model_name,
+            choices=choices,
+            usage=_usage(outs, [len(s.prompt_token_ids) for s in streams]),
+        )
+        return JSONResponse(resp.model_dump())
+
+    async def completion_stream(
+        body: CompletionRequest,
+        params: SamplingParams,
+        streams: list[RequestStream],
+        rid: str,
+        created: int,
+        echo: list[str] | None,
+    ) -> AsyncIterator[str]:
+        deltas: dict[int, _Delta] = {}
+        last: list[RequestOutput | None] = [None] * len(streams)
+        hold = holdback(params)
+        try:
+            async for i, out in _merged(streams):
+                last[i] = out
+                for c in out.outputs:
+                    index = i * params.n + c.index
+                    d = deltas.get(index)
+                    if d is None:
+                        d = deltas[index] = _Delta()
+                        if echo and echo[i]:
+                            yield _sse(
+                                CompletionResponse(
+                                    id=rid,
+                                    created=created,
+                                    model=model_name,
+                                    choices=[CompletionChoice(index=index, text=echo[i])],
+                                )
+                            )
+                    step = _advance(d, c, hold)
+                    if step is None:
+                        continue
+                    text, first, finished = step
+                    lps = None
+                    if c.logprobs is not None:
+                        lps = completion_logprobs(c.logprobs[first:], len(d.text) - len(text))
+                    yield _sse(
+                        CompletionResponse(
+                            id=rid,
+                            created=created,
+                            model=model_name,
+                            choices=[
+                                CompletionChoice(
+                                    index=index,
+                                    text=text,
+                                    logprobs=lps,
+                                    finish_reason=c.finish_reason if finished else None,
+                                    stop_reason=c.stop_reason if finished else None,
+                                )
+                            ],
+                        )
+                    )
+            if body.include_usage:
+                usage = _usage(last, [len(s.prompt_token_ids) for s in streams])
+                yield _sse(
+                    CompletionResponse(
+                        id=rid, created=created, model=model_name, choices=[], usage=usage
+                    )
+                )
+        except (EngineDeadError, KVLedgerError) as e:
+            yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        params = body.to_sampling_params()
+        check_params(params)
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so chat is not available")
+        if not chat_template:
+            raise APIError(
+                400,
+                "this model's tokenizer has no chat template; start the server with "
+                "--chat-template FILE_OR_STRING, or use /v1/completions",
+                param="messages",
+                code="chat_template_missing",
+            )
+        prompt = render_chat(body)
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = not (bos and prompt.startswith(bos))  # the template wrote BOS itself
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = await add_all([prompt], params, rid, body.priority, add_special)
+        if body.stream:
+            gen = chat_stream(body, params, streams[0], rid, created)
+            return _SSEResponse(gen, on_close=abort_all(streams))
+        try:
+            outs = await _until_disconnect(request, final_outputs(streams))
+        finally:
+            abort_all(streams)()
+        if outs is None:
+            return Response(status_code=499)
+        (out,) = outs
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in out.outputs
+        ]
+        resp = ChatCompletionResponse(
+            id=rid,
+            created=created,
+            model=model_name,
+            choices=choices,
+            usage=_usage([out], [len(streams[0].prompt_token_ids)]),
+        )
+        return JSONResponse(resp.model_dump())
+
+    def render_chat(body: ChatCompletionRequest) -> str:
+        import jinja2
+
+        try:
+            return tokenizer.apply_chat_template(
+                body.conversation(),
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+                **(body.chat_template_kwargs or {}),
+            )
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise APIError(
+                400, f"the chat template rejected the messages: {e}", param="messages"
+            ) from None
+
+    async def chat_stream(
+        body: ChatCompletionRequest,
+        params: SamplingParams,
+        stream: RequestStream,
+        rid: str,
+        created: int,
+    ) -> AsyncIterator[str]:
+        def chunk(index: int, delta: DeltaMessage, **kw: Any) -> str:
+            choice = ChatStreamChoice(index=index, delta=delta, **kw)
+            return _sse(
+                ChatCompletionChunk(id=rid, created=created, model=model_name, choices=[choice])
+            )
+
+        deltas: dict[int, _Delta] = {}
+        last: RequestOutput | None = None
+        hold = holdback(params)
+        try:
+            for i in range(params.n):
+                yield chunk(i, DeltaMessage(role="assistant", content=""))
+            async for _, out in _merged([stream]):
+                last = out
+                for c in out.outputs:
+                    d = deltas.setdefault(c.index, _Delta())
+                    step = _advance(d, c, hold)
+                    if step is None:
+                        continue
+                    text, first, finished = step
+                    lps = chat_logprobs(c.logprobs[first:]) if c.logprobs is not None else None
+                    yield chunk(
+                        c.index,
+                        DeltaMessage(content=text),
+                        logprobs=lps,
+                        finish_reason=c.finish_reason if finished else None,
+                    )
+            if body.include_usage:
+                usage = _usage([last], [len(stream.prompt_token_ids)])
+                yield _sse(
+                    ChatCompletionChunk(
+                        id=rid, created=created, model=model_name, choices=[], usage=usage
+                    )
+                )
+        except (EngineDeadError, KVLedgerError) as e:
+            yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
+        yield "data: [DONE]\n\n"
+
+    return app

@@ -1,0 +1,199 @@
+"""Prometheus metrics with vLLM's names under a ``kvledger:`` prefix, in the server's own
+CollectorRegistry.
+
+Gauges and engine counters (KV usage, queues, prefix cache, preemptions, swap traffic,
+generated tokens) are read from the live ledger at scrape time, so /metrics can never drift
+from /v1/ledger. Request-level counters and latency histograms are recorded as outputs pass
+through the engine thread (AsyncEngine's observer hooks).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvledger.core.engine import LLMEngine
+from kvledger.outputs import RequestOutput
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+
+
+@dataclass
+class EngineState:
+    """What a scrape reads from the engine, captured in one go in the engine thread."""
+
+    usage: float = 0.0
+    used_blocks: int = 0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    swapped: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions: dict[str, int] = field(default_factory=dict)
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    generation_tokens: int = 0
+
+    @classmethod
+    def capture(cls, engine: LLMEngine) -> EngineState:
+        snap = engine.ledger()
+        s = engine.scheduler
+        return cls(
+            usage=snap.usage,
+            used_blocks=snap.used_blocks,
+            free_blocks=snap.free_blocks,
+            cached_blocks=snap.cached_blocks,
+            running=len(s.running),
+            waiting=len(s.waiting),
+            swapped=len(s.swapped),
+            prefix_cache_queries=snap.prefix_cache_queries,
+            prefix_cache_hits=snap.prefix_cache_hits,
+            preemptions=dict(snap.preemptions),
+            swap_out_bytes=snap.swap_out_bytes,
+            swap_in_bytes=snap.swap_in_bytes,
+            generation_tokens=engine.num_generated_tokens,
+        )
+
+
+class _EngineCollector:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.state = EngineState()
+
+    def describe(self):
+        return list(self._families(EngineState(), with_samples=False))
+
+    def collect(self):
+        return list(self._families(self.state, with_samples=True))
+
+    def _families(self, s: EngineState, with_samples: bool):
+        m = self.model_name
+        gauges = [
+            (
+                "kv_cache_usage_perc",
+                "KV-cache usage: used blocks / total blocks (1 = 100%).",
+                s.usage,
+            ),
+            ("num_requests_running", "Sequences in the running batch.", s.running),
+            ("num_requests_waiting", "Sequences waiting to be admitted.", s.waiting),
+            ("num_requests_swapped", "Sequences swapped out to host memory.", s.swapped),
+            ("kv_blocks_used", "KV blocks held by requests.", s.used_blocks),
+            ("kv_blocks_free", "KV blocks free and empty.", s.free_blocks),
+            (
+                "kv_blocks_cached",
+                "KV blocks free but holding reusable prefix content.",
+                s.cached_blocks,
+            ),
+        ]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(f"kvledger:{name}", doc, labels=["model_name"])
+            if with_samples:
+                g.add_metric([m], value)
+            yield g
+        counters = [
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_cache_queries,
+            ),
+            (
+                "prefix_cache_hits",
+                "Prompt tokens served from the prefix cache.",
+                s.prefix_cache_hits,
+            ),
+            ("generation_tokens", "Tokens generated.", s.generation_tokens),
+        ]
+        for name, doc, value in counters:
+            c = CounterMetricFamily(f"kvledger:{name}", doc, labels=["model_name"])
+            if with_samples:
+                c.add_metric([m], value)
+            yield c
+        c = CounterMetricFamily(
+            "kvledger:num_preemptions", "Preemptions, by mode.", labels=["model_name", "mode"]
+        )
+        if with_samples:
+            for mode in ("swap", "recompute"):
+                c.add_metric([m, mode], s.preemptions.get(mode, 0))
+        yield c
+        c = CounterMetricFamily(
+            "kvledger:swapped_bytes",
+            "KV bytes moved between device and host, by direction.",
+            labels=["model_name", "direction"],
+        )
+        if with_samples:
+            c.add_metric([m, "out"], s.swap_out_bytes)
+            c.add_metric([m, "in"], s.swap_in_bytes)
+        yield c
+
+
+class ServerMetrics:
+    """The registry, plus the AsyncEngine observer hooks that feed its request metrics."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
+        labels = ["model_name"]
+        self.prompt_tokens = Counter(
+            "kvledger:prompt_tokens", "Prompt tokens of accepted requests.", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.request_success = Counter(
+            "kvledger:request_success",
+            "Finished completions, by finish reason (stop, length, abort).",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "kvledger:time_to_first_token_seconds",
+            "Arrival to first token, server side.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kvledger:inter_token_latency_seconds",
+            "Time between successive output steps of a request.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self._last: dict[str, tuple[int, float]] = {}  # request -> (tokens seen, last token time)
+        self._render_lock = threading.Lock()
+
+    # -- AsyncEngine observer (engine thread) ------------------------------------------------
+    def on_request_added(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        m = self.model_name
+        for out in outputs:
+            met = out.metrics
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            prev = self._last.get(out.request_id)
+            if met is not None and met.last_token_time is not None and num_tokens:
+                if prev is None:
+                    if met.first_token_time is not None:
+                        self.ttft.labels(m).observe(met.first_token_time - met.arrival_time)
+                elif num_tokens > prev[0]:
+                    self.itl.labels(m).observe(met.last_token_time - prev[1])
+                self._last[out.request_id] = (num_tokens, met.last_token_time)
+            if out.finished:
+                self._last.pop(out.request_id, None)
+                for c in out.outputs:
+                    self.request_success.labels(m, c.finish_reason or "abort").inc()
+
+    # -- scrape ----------------------------------------------------------------------------
+    def render(self, state: EngineState) -> bytes:
+        with self._render_lock:
+            self._engine.state = state
+            return generate_latest(self.registry)

@@ -1,0 +1,503 @@
+"""Trace replay over the engine's own Scheduler and KVCacheManager, on a virtual clock.
+
+Each step: requests whose arrival time has come are added, ``Scheduler.schedule()`` decides,
+the clock advances by the step-time model, and the engine's post-step update runs (computed
+tokens advance, full blocks are published to the prefix cache, a due token is appended and the
+request finishes at its output length). Nothing about scheduling is reimplemented here: the
+simulator only supplies time and placeholder token ids, so its decisions are the engine's.
+
+Memory figures are sampled right after ``schedule()`` (the blocks held while the step runs) and
+weighted by the step's duration:
+
+- ``kv_utilization`` = integral of tokens stored / integral of token slots in used blocks
+  (a shared block counts once; free-but-cached prefix blocks are not "used");
+- ``naive_kv_utilization`` = integral of the same requests' tokens / integral of (requests
+  resident x max_seq_len): what reserving max_seq_len contiguously per request would achieve
+  for the same resident set.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv
+from kvledger.config import CacheConfig, SchedulerConfig
+from kvledger.core.preemption import PreemptionCostModel
+from kvledger.core.request import Request
+from kvledger.core.scheduler import Scheduler, SchedulerOutput
+from kvledger.errors import ConfigError
+from kvledger.sampling_params import SamplingParams
+from kvledger.sim.cost_model import StepCostModel
+from kvledger.sim.trace import TraceRequest
+
+_GiB = 1 << 30
+
+
+class SimulationStalled(RuntimeError):
+    """The scheduler scheduled nothing although requests are unfinished (a scheduler bug)."""
+
+
+# ---------------------------------------------------------------- shared with the engine
+def build_scheduler(
+    sc: SchedulerConfig,
+    cc: CacheConfig,
+    num_blocks: int,
+    bytes_per_token: int,
+    cost_model: PreemptionCostModel,
+) -> Scheduler:
+    """The cache manager and scheduler exactly as ``LLMEngine.__init__`` builds them (host swap
+    pool = min(swap_space GiB, device pool), none under recompute-only)."""
+    bytes_per_block = bytes_per_token * cc.block_size
+    num_host_blocks = min(int(cc.swap_space * _GiB) // bytes_per_block, num_blocks)
+    if sc.preemption_mode == "recompute":
+        num_host_blocks = 0
+    kv = KVCacheManager(
+        num_blocks,
+        cc.block_size,
+        bytes_per_token=bytes_per_token,
+        enable_prefix_caching=cc.enable_prefix_caching,
+        num_host_blocks=num_host_blocks,
+    )
+    return Scheduler(sc, kv, cost_model)
+
+
+def apply_step_update(
+    scheduler: Scheduler,
+    so: SchedulerOutput,
+    next_token: Callable[[Request], int],
+    now: float,
+) -> list[Request]:
+    """``LLMEngine.step``'s update for n == 1 requests with ignore_eos; returns the finished.
+
+    Advance ``num_computed_tokens``, publish newly full blocks, and when the request's last
+    token was computed append the sampled one and finish it at its output length.
+    """
+    finished = []
+    for s in so.scheduled:
+        req = s.request
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        req.num_computed_tokens += s.num_new_tokens
+        scheduler.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        if req.num_computed_tokens < req.num_tokens:
+            continue  # a prefill chunk that does not reach the end: nothing sampled
+        req.append_output_token(next_token(req))
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        if req.num_output_tokens >= req.max_output_tokens:
+            scheduler.finish_request(req, "length")
+            req.finished_time = now
+            finished.append(req)
+    return finished
+
+
+# ---------------------------------------------------------------- placeholder tokens
+def placeholder_token(key: int, pos: int) -> int:
+    """A deterministic token id for (sequence key, position): a 32-bit integer mix, so two
+    different sequences never share a 16-token block by accident."""
+    x = (key * 0x9E3779B97F4A7C15 + pos * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
+    x ^= x >> 32
+    return 3 + x % (2**31 - 3)
+
+
+def prompt_tokens(index: int, row: TraceRequest) -> list[int]:
+    if row.prefix_id is None:
+        return [placeholder_token(index, p) for p in range(row.prompt_len)]
+    pkey = (1 << 40) + zlib.crc32(row.prefix_id.encode())
+    return [
+        placeholder_token(pkey if p < row.prefix_len else index, p) for p in range(row.prompt_len)
+    ]
+
+
+# ---------------------------------------------------------------- memory probe
+def _pool_fill(kv: KVCacheManager) -> tuple[int, dict[int, int]]:
+    """(unique tokens stored in used blocks, {shared block: fill}).
+
+    Fast path: sharing (prefix hits, forks) covers a prefix of each block table, so each table
+    is scanned only while its blocks are shared. The identity "table entries = used blocks +
+    sum over shared blocks of (holders - 1)" proves no shared block was missed; if it fails,
+    every block is scanned.
+    """
+    bs, blocks = kv.block_size, kv.pool.blocks
+    shared: dict[int, int] = {}
+    private_tokens = entries = 0
+    for req in kv.requests.values():
+        table, n = req.block_table, req.num_tokens
+        if req.swapped:  # rare: some entries are on the host
+            for i, b in enumerate(table):
+                if b >= 0:
+                    entries += 1
+                    f = min(bs, n - i * bs)
+                    if blocks[b].ref_cnt > 1:
+                        shared[b] = max(shared.get(b, 0), f)
+                    else:
+                        private_tokens += f
+            continue
+        k = 0
+        while k < len(table) and blocks[table[k]].ref_cnt > 1:
+            f = min(bs, n - k * bs)
+            if shared.get(table[k], -1) < f:
+                shared[table[k]] = f
+            k += 1
+        entries += len(table)
+        private_tokens += max(0, n - k * bs)
+    extra = sum(blocks[b].ref_cnt - 1 for b in shared)
+    if entries - extra == kv.pool.num_used_blocks:
+        return private_tokens + sum(shared.values()), shared
+    fill: dict[int, int] = {}
+    for req in kv.requests.values():
+        for i, b in enumerate(req.block_table):
+            if b >= 0:
+                fill[b] = max(fill.get(b, 0), min(bs, req.num_tokens - i * bs))
+    return sum(fill.values()), {b: f for b, f in fill.items() if blocks[b].ref_cnt > 1}
+
+
+# ---------------------------------------------------------------- records
+@dataclass
+class StepRecord:
+    step: int
+    time: float  # clock at the start of the step
+    duration: float
+    num_batched_tokens: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    used_blocks: int
+    shared_blocks: int  # used blocks with more than one holder
+    cached_blocks: int  # free blocks still holding a reusable prefix
+    tokens_stored: int  # unique tokens in used blocks
+    shared_tokens: int  # of which in shared blocks
+    naive_tokens: int  # tokens of resident requests, each counted per holder
+    num_resident: int  # requests with blocks on the device
+    max_sharers: int = 0  # most holders of any one block
+    admitted: list[str] = field(default_factory=list)
+    preempted: list[tuple[str, str]] = field(default_factory=list)
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    arrival_time: float
+    prompt_len: int
+    output_len: int
+    num_output_tokens: int
+    first_token_time: float | None
+    finished_time: float | None
+    finish_reason: str | None
+    num_preemptions: int
+    num_cached_tokens: int
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0-100); None for an empty list."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class SimResult:
+    steps: list[StepRecord]
+    requests: list[RequestRecord]
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    max_seq_len: int
+    num_preemptions: dict[str, int]
+    cost_model: StepCostModel
+    static_batch: int | None = None
+    prefix_cache_hit_rate: float = 0.0
+
+    @property
+    def decisions(self) -> list[tuple[list[str], list[tuple[str, str]]]]:
+        """Per step: (admitted ids, preempted (id, mode)) — the engine-comparable record."""
+        return [(s.admitted, s.preempted) for s in self.steps]
+
+    def summary(self) -> dict[str, Any]:
+        steps, reqs = self.steps, self.requests
+        done = [r for r in reqs if r.finished_time is not None]
+        start = min(r.arrival_time for r in reqs)
+        end = max((r.finished_time for r in done), default=start)
+        duration = end - start
+        out_tokens = sum(r.num_output_tokens for r in reqs)
+        prompt_tokens = sum(r.prompt_len for r in done)
+        bs = self.block_size
+        w = [s.duration for s in steps]
+        busy = sum(w)
+
+        def integral(f: Callable[[StepRecord], float]) -> float:
+            return sum(f(s) * s.duration for s in steps)
+
+        slots = integral(lambda s: s.used_blocks * bs)
+        naive_slots = integral(lambda s: s.num_resident * self.max_seq_len)
+        lat = [r.latency for r in done]
+        ttft = [r.ttft for r in reqs if r.ttft is not None]
+        per = lambda xs, q: percentile(xs, q)  # noqa: E731
+        return {
+            "num_requests": len(reqs),
+            "num_finished": len(done),
+            "num_steps": len(steps),
+            "duration_s": duration,
+            "busy_s": busy,
+            "output_tokens": out_tokens,
+            "throughput_tokens_per_s": out_tokens / duration if duration > 0 else None,
+            "total_tokens_per_s": (out_tokens + prompt_tokens) / duration if duration > 0 else None,
+            "requests_per_s": len(done) / duration if duration > 0 else None,
+            "latency_p50_s": per(lat, 50),
+            "latency_p99_s": per(lat, 99),
+            "latency_mean_s": sum(lat) / len(lat) if lat else None,
+            "ttft_p50_s": per(ttft, 50),
+            "ttft_p99_s": per(ttft, 99),
+            "kv_utilization": integral(lambda s: s.tokens_stored) / slots if slots else None,
+            "naive_kv_utilization": integral(lambda s: s.naive_tokens) / naive_slots
+            if naive_slots
+            else None,
+            "naive_max_seq_len": self.max_seq_len,
+            "kv_usage_mean": integral(lambda s: s.used_blocks) / (self.num_blocks * busy)
+            if busy
+            else None,
+            "peak_used_blocks": max((s.used_blocks for s in steps), default=0),
+            "peak_shared_blocks": max((s.shared_blocks for s in steps), default=0),
+            "peak_sharers": max((s.max_sharers for s in steps), default=0),
+            "peak_running": max((s.num_running for s in steps), default=0),
+            "num_preemptions": {
+                **self.num_preemptions,
+                "total": sum(self.num_preemptions.values()),
+            },
+            "swapped_out_blocks": sum(s.swapped_out_blocks for s in steps),
+            "swapped_in_blocks": sum(s.swapped_in_blocks for s in steps),
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "num_kv_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "bytes_per_token": self.bytes_per_token,
+            "kv_pool_bytes": self.num_blocks * self.block_size * self.bytes_per_token,
+            "static_batch": self.static_batch,
+            "cost_model": {k: v for k, v in asdict(self.cost_model).items() if k != "fit"},
+        }
+
+
+# ---------------------------------------------------------------- the simulator
+class Simulator:
+    """Replays ``trace`` through a fresh Scheduler + KVCacheManager built like the engine's.
+
+    ``static_batch`` = N turns on the static-batching baseline as a policy around the same
+    scheduler: arrivals are held back and released N at a time, only once every request of the
+    previous batch has finished.
+    """
+
+    def __init__(
+        self,
+        trace: list[TraceRequest],
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        bytes_per_token: int,
+        cost_model: StepCostModel,
+        static_batch: int | None = None,
+        naive_max_seq_len: int | None = None,
+    ) -> None:
+        scheduler_config.validate()
+        cache_config.validate()
+        if num_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        if static_batch is not None and static_batch < 1:
+            raise ConfigError(f"--static-batch must be >= 1, got {static_batch}")
+        self.sc, self.cc = scheduler_config, cache_config
+        self.cost_model = cost_model
+        self.static_batch = static_batch
+        self.bytes_per_token = bytes_per_token
+        self.bytes_per_block = bytes_per_token * cache_config.block_size
+        self.scheduler = build_scheduler(
+            scheduler_config,
+            cache_config,
+            num_blocks,
+            bytes_per_token,
+            cost_model.preemption_cost_model(
+                scheduler_config.preemption_mode,
+                recompute_threshold=scheduler_config.recompute_threshold,
+            ),
+        )
+        self.kv = self.scheduler.kv
+        self.max_seq_len = naive_max_seq_len or scheduler_config.max_model_len
+        self.trace = sorted(trace, key=lambda r: r.arrival_time)
+        self._validate()
+
+    def _validate(self) -> None:
+        """The engine's prompt checks (``LLMEngine.validate_prompt``), per trace request."""
+        max_len, bs, nb = self.sc.max_model_len, self.cc.block_size, self.kv.pool.num_blocks
+        for i, r in enumerate(self.trace):
+            where = f"trace line {r.line}" if r.line else f"request {i}"
+            if r.prompt_len >= max_len:
+                raise ConfigError(
+                    f"{where}: prompt_len {r.prompt_len} leaves no room for output within "
+                    f"max_model_len {max_len}"
+                )
+            if cdiv(r.prompt_len + 1, bs) > nb:
+                raise ConfigError(
+                    f"{where}: prompt_len {r.prompt_len} needs {cdiv(r.prompt_len + 1, bs)} KV "
+                    f"blocks; the pool only has {nb}"
+                )
+
+    def _new_request(self, index: int, row: TraceRequest, key_time: float) -> Request:
+        return Request(
+            request_id=str(index),
+            prompt_token_ids=prompt_tokens(index, row),
+            sampling_params=SamplingParams(
+                max_tokens=row.output_len, ignore_eos=True, temperature=0.0
+            ),
+            arrival_time=key_time,
+            max_total_tokens=self.sc.max_model_len,
+        )
+
+    def run(self) -> SimResult:
+        sched, kv, cost = self.scheduler, self.kv, self.cost_model
+        bs = self.cc.block_size
+        pending = deque(enumerate(self.trace))
+        held: deque[Request] = deque()
+        by_id: dict[str, tuple[Request, TraceRequest]] = {}
+        steps: list[StepRecord] = []
+        clock = self.trace[0].arrival_time
+        last_key = -math.inf
+        empty_steps = 0
+
+        def token(req: Request) -> int:
+            return placeholder_token(int(req.request_id), req.num_tokens)
+
+        def record_finish(req: Request, now: float) -> None:
+            if req.finished_time is None:
+                req.finished_time = now
+
+        while pending or held or sched.has_unfinished():
+            while pending and pending[0][1].arrival_time <= clock:
+                i, row = pending.popleft()
+                # Scheduler order keys strictly increase in arrival order, as the engine's
+                # time.monotonic() stamps do, so ties are broken the same way.
+                last_key = max(row.arrival_time, math.nextafter(last_key, math.inf))
+                req = self._new_request(i, row, last_key)
+                by_id[req.request_id] = (req, row)
+                if self.static_batch:
+                    held.append(req)
+                else:
+                    sched.add_request(req)
+            if self.static_batch and not sched.has_unfinished():
+                for _ in range(min(self.static_batch, len(held))):
+                    sched.add_request(held.popleft())
+            if not sched.has_unfinished():
+                clock = max(clock, pending[0][1].arrival_time)
+                continue
+
+            so = sched.schedule()
+            rec = self._probe(so, clock)
+            dt = cost.step_time(so, self.bytes_per_block)
+            rec.duration = dt
+            steps.append(rec)
+            if not (so.scheduled or so.blocks_to_swap_out or so.blocks_to_swap_in):
+                for req in so.finished:
+                    record_finish(req, clock)
+                empty_steps = 0 if (so.finished or so.preempted) else empty_steps + 1
+                if empty_steps > 2:
+                    raise SimulationStalled(self._stall_report(so))
+                continue
+            empty_steps = 0
+            clock += dt
+            for req in so.finished:
+                record_finish(req, clock)
+            apply_step_update(sched, so, token, clock)
+
+        requests = [
+            RequestRecord(
+                request_id=req.request_id,
+                arrival_time=row.arrival_time,
+                prompt_len=row.prompt_len,
+                output_len=row.output_len,
+                num_output_tokens=req.num_output_tokens,
+                first_token_time=req.first_token_time,
+                finished_time=req.finished_time,
+                finish_reason=req.finish_reason,
+                num_preemptions=req.num_preemptions,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+            )
+            for req, row in by_id.values()
+        ]
+        q = kv.prefix_cache_queries
+        return SimResult(
+            steps=steps,
+            requests=requests,
+            num_blocks=kv.pool.num_blocks,
+            block_size=bs,
+            bytes_per_token=self.bytes_per_token,
+            max_seq_len=self.max_seq_len,
+            num_preemptions=dict(sched.num_preemptions),
+            cost_model=cost,
+            static_batch=self.static_batch,
+            prefix_cache_hit_rate=kv.prefix_cache_hits / q if q else 0.0,
+        )
+
+    def _probe(self, so: SchedulerOutput, clock: float) -> StepRecord:
+        """The pool as this step holds it: the arithmetic of ``KVCacheManager.ledger()`` (a shared
+        block counts once, at its fullest holder's fill), without per-request objects."""
+        kv, sched = self.kv, self.scheduler
+        stored, shared = _pool_fill(kv)
+        naive_tokens = resident = 0
+        for req in kv.requests.values():
+            if not req.swapped:
+                resident += 1
+                naive_tokens += req.num_tokens
+        return StepRecord(
+            step=so.step,
+            time=clock,
+            duration=0.0,
+            num_batched_tokens=so.num_scheduled_tokens,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            used_blocks=kv.pool.num_used_blocks,
+            shared_blocks=len(shared),
+            cached_blocks=kv.pool.num_cached_free,
+            tokens_stored=stored,
+            shared_tokens=sum(shared.values()),
+            naive_tokens=naive_tokens,
+            num_resident=resident,
+            max_sharers=max((kv.pool.blocks[b].ref_cnt for b in shared), default=0),
+            admitted=list(so.admitted),
+            preempted=list(so.preempted),
+            swapped_out_blocks=len(so.blocks_to_swap_out),
+            swapped_in_blocks=len(so.blocks_to_swap_in),
+        )
+
+    def _stall_report(self, so: SchedulerOutput) -> str:
+        s = self.scheduler
+        head = s.waiting[0] if s.waiting else (s.swapped[0] if s.swapped else None)
+        detail = ""
+        if head is not None:
+            detail = (
+                f"; head request {head.request_id}: {head.num_tokens} tokens, "
+                f"{head.num_computed_tokens} computed, status {head.status.value}"
+            )
+        return (
+            f"step {so.step}: nothing scheduled with {len(s.waiting)} waiting, "
+            f"{len(s.running)} running, {len(s.swapped)} swapped, "
+            f"{self.kv.num_free_blocks} free blocks of {self.kv.pool.num_blocks}{detail}"
+        )

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install kvledger with its test extras on a fresh machine and run the whole test suite.
+# torch is pinned to the CPU build that these machines carry locally (an unpinned torch
+# would pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+ruff check kvledger tests benchmarks
+python -m pytest -q -p no:cacheprovider "$@"

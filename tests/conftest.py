@@ -1,0 +1,57 @@
+"""Shared fixtures. The leak check is autouse: every engine a test builds must end the test
+with zero used KV blocks, an empty host swap pool and consistent reference counts."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The test models are tiny (hidden <= 256): one thread is faster than two, and it keeps the
+# suite stable when the machine is shared (OpenMP threads spin-wait on a busy core).
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES = REPO.parent / "shared" / "models" / "stories260k"
+
+_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _track_engines():
+    from kvledger.core.engine import LLMEngine
+
+    orig = LLMEngine.__init__
+
+    def init(self, *a, **k):
+        orig(self, *a, **k)
+        _engines.add(self)
+
+    LLMEngine.__init__ = init
+    yield
+    LLMEngine.__init__ = orig
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks():
+    """Leaks are bugs: after each test, every live engine holds zero KV blocks."""
+    yield
+    for eng in list(_engines):
+        assert not eng.has_unfinished_requests(), f"requests left behind: {list(eng.groups)}"
+        kv = eng.kv
+        kv.check_invariants()
+        assert kv.num_used_blocks == 0, f"{kv.num_used_blocks} KV blocks leaked"
+        assert not kv.requests, f"block tables leaked: {list(kv.requests)}"
+        if kv.host_pool is not None:
+            assert kv.host_pool.num_used_blocks == 0, "host swap blocks leaked"
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    if not (STORIES / "config.json").exists():
+        pytest.skip(f"stories260k not found at {STORIES}")
+    return STORIES

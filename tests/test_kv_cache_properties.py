@@ -1,0 +1,305 @@
+"""Stateful property test: random request lifecycles against a simulated device.
+
+The machine drives the KVCacheManager the way the scheduler and runner do (prefix lookup and
+admission, appends, n > 1 forks, frees, swap out and in, speculative rejections) while a fake device stores, for every
+physical slot, the value written there. A slot's value is what a real K/V entry depends on:
+the salt and the whole token prefix up to that position. After every step, each request's
+logical positions must resolve (through its block table, or its host blocks while swapped) to
+slots holding exactly its own values, which catches any COW, swap, eviction or prefix-cache
+aliasing bug, and the manager's ledger and reference counts must agree with a shadow model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import kvledger.cache.kv_cache_manager as kvm_mod
+from kvledger.cache.kv_cache_manager import KVCacheManager
+from kvledger.errors import CacheError, OutOfBlocksError
+
+BS = 4
+NUM_BLOCKS = 20
+NUM_HOST_BLOCKS = 10
+MAX_REQUESTS = 6
+
+# Prompts start from one of a few shared prefixes so that prefix hits are frequent, and use a
+# two-letter alphabet so that identical blocks under different parents occur too.
+PREFIXES = [[], [1, 2, 1, 2], [1, 2, 1, 2, 2, 2, 1, 1], [2, 1, 2, 1, 1, 1, 2, 2, 1]]
+tokens_st = st.lists(st.sampled_from([1, 2]), min_size=0, max_size=9)
+salt_st = st.sampled_from([None, None, None, "s"])
+
+SETTINGS = settings(
+    max_examples=100,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def _state(kv: KVCacheManager) -> tuple:
+    def pool_state(pool):
+        if pool is None:
+            return None
+        return (
+            list(pool._free),
+            dict(pool._hash_index),
+            pool.num_cached_free,
+            [(b.ref_cnt, b.block_hash, b.token_ids, b.parent_block_id) for b in pool.blocks],
+        )
+
+    return (
+        kv.ledger().to_dict(),
+        copy.deepcopy(kv.requests),
+        pool_state(kv.pool),
+        pool_state(kv.host_pool),
+        list(kv._pending_copies),
+    )
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BS, bytes_per_token=8, num_host_blocks=NUM_HOST_BLOCKS)
+        self.tokens: dict[str, list[int]] = {}  # shadow: each request's logical positions
+        self.salts: dict[str, str | None] = {}
+        self.swapped: set[str] = set()
+        self.device: dict[int, tuple] = {}  # slot -> value
+        self.host: dict[int, tuple] = {}
+        self.next_id = 0
+
+    # -- the simulated runner -------------------------------------------------------------------
+    def _value(self, rid: str, pos: int) -> tuple:
+        return (self.salts[rid], tuple(self.tokens[rid][: pos + 1]))
+
+    @staticmethod
+    def _copy_block(src: dict, s: int, dst: dict, d: int) -> None:
+        for o in range(BS):
+            if s * BS + o in src:
+                dst[d * BS + o] = src[s * BS + o]
+            else:
+                dst.pop(d * BS + o, None)
+
+    def _run_step(self, swap_out=(), swap_in=()) -> None:
+        """The runner's order: swap-out copies, then COW copies, then swap-in copies."""
+        for d, h in swap_out:
+            self._copy_block(self.device, d, self.host, h)
+        for s, d in self.kv.take_block_copies():
+            self._copy_block(self.device, s, self.device, d)
+        for h, d in swap_in:
+            self._copy_block(self.host, h, self.device, d)
+
+    def _write(self, rid: str, start: int, end: int) -> None:
+        table = self.kv.block_table(rid)
+        for pos in range(start, end):
+            b = table[pos // BS]
+            assert b >= 0, (rid, pos, table)
+            self.device[b * BS + pos % BS] = self._value(rid, pos)
+
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def _resident(self) -> list[str]:
+        return sorted(r for r in self.tokens if r not in self.swapped)
+
+    # -- rules ----------------------------------------------------------------------------------
+    @precondition(lambda self: len(self.tokens) < MAX_REQUESTS)
+    @rule(prefix=st.sampled_from(PREFIXES), tail=tokens_st, salt=salt_st)
+    def new_request(self, prefix, tail, salt):
+        prompt = prefix + tail
+        if not prompt:
+            prompt = [1]
+        rid = self._new_id()
+        computed, num_cached = self.kv.get_computed_blocks(prompt, salt)
+        assert num_cached == len(computed) * BS < len(prompt)
+        before = _state(self.kv)
+        if not self.kv.allocate_slots(rid, len(prompt) - num_cached, computed, salt):
+            assert _state(self.kv) == before
+            assert rid not in self.kv.requests
+            return
+        self.kv.record_prefix_lookup(len(prompt), num_cached)
+        assert self.kv.block_table(rid)[: len(computed)] == computed
+        self.tokens[rid], self.salts[rid] = list(prompt), salt
+        self._run_step()
+        self._write(rid, num_cached, len(prompt))
+        self.kv.cache_blocks(rid, prompt, len(prompt))
+
+    @precondition(lambda self: any(r not in self.swapped for r in self.tokens))
+    @rule(data=st.data(), new=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=6))
+    def append(self, data, new, rid=None):
+        if rid is None:
+            rid = data.draw(st.sampled_from(self._resident()))
+        before = _state(self.kv)
+        if not self.kv.allocate_slots(rid, len(new)):
+            assert _state(self.kv) == before
+            return
+        start = len(self.tokens[rid])
+        self.tokens[rid].extend(new)
+        self._run_step()
+        self._write(rid, start, len(self.tokens[rid]))
+        self.kv.cache_blocks(rid, self.tokens[rid], len(self.tokens[rid]))
+
+    @precondition(
+        lambda self: (
+            len(self.tokens) < MAX_REQUESTS and any(r not in self.swapped for r in self.tokens)
+        )
+    )
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self._resident()))
+        child = self._new_id()
+        self.kv.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.salts[child] = self.salts[parent]
+        assert self.kv.block_table(child) == self.kv.block_table(parent)
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.kv.free(rid)
+        del self.tokens[rid], self.salts[rid]
+        self.swapped.discard(rid)
+        before = _state(self.kv)
+        with pytest.raises(CacheError):
+            self.kv.free(rid)  # a double free is refused ...
+        assert _state(self.kv) == before  # ... and changes nothing
+
+    @precondition(lambda self: any(r not in self.swapped for r in self.tokens))
+    @rule(data=st.data())
+    def swap_out(self, data):
+        rid = data.draw(st.sampled_from(self._resident()))
+        table = list(self.kv.block_table(rid))
+        private = [b for b in table if self.kv.pool.blocks[b].ref_cnt == 1]
+        if not self.kv.can_swap_out(rid):
+            before = _state(self.kv)
+            with pytest.raises(OutOfBlocksError):
+                self.kv.swap_out(rid)
+            assert _state(self.kv) == before
+            return
+        pairs = self.kv.swap_out(rid)
+        assert sorted(d for d, _ in pairs) == sorted(private)  # only private blocks move
+        assert len({h for _, h in pairs}) == len(pairs)
+        assert self.kv.is_swapped(rid)
+        self.swapped.add(rid)
+        self._run_step(swap_out=pairs)
+
+    @precondition(lambda self: bool(self.swapped))
+    @rule(data=st.data())
+    def swap_in(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.swapped)))
+        if not self.kv.can_swap_in(rid):
+            before = _state(self.kv)
+            with pytest.raises(OutOfBlocksError):
+                self.kv.swap_in(rid)
+            assert _state(self.kv) == before
+            return
+        host = set(self.kv.requests[rid].host_blocks.values())
+        pairs = self.kv.swap_in(rid)
+        assert {h for h, _ in pairs} == host
+        assert not self.kv.is_swapped(rid)
+        self.swapped.discard(rid)
+        self._run_step(swap_in=pairs)
+        # The engine republishes the request's full blocks after its next step.
+        self.kv.cache_blocks(rid, self.tokens[rid], len(self.tokens[rid]))
+
+    @precondition(lambda self: any(r not in self.swapped for r in self.tokens))
+    @rule(data=st.data(), k=st.integers(1, 3))
+    def reject_and_correct(self, data, k):
+        # Speculative decoding: the last k positions are rejected (trim), possibly back into
+        # a block already published in the prefix cache, and a corrected token (3, which no
+        # prompt contains) is written in their place: that write must not alter the block.
+        rid = data.draw(st.sampled_from(self._resident()))
+        n = max(0, len(self.tokens[rid]) - k)
+        self.kv.trim(rid, n)
+        del self.tokens[rid][n:]
+        self.kv.check_invariants()
+        self.append(data, [3], rid=rid)
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.kv.pool.reset_prefix_cache()
+
+    # -- invariants -----------------------------------------------------------------------------
+    @invariant()
+    def bookkeeping_is_consistent(self):
+        kv = self.kv
+        kv.check_invariants()  # ref counts == holders, free queue and index consistent
+        snap = kv.ledger()
+        assert snap.free_blocks + snap.used_blocks + snap.cached_blocks == snap.total_blocks
+        assert set(snap.requests) == set(self.tokens) == set(kv.requests)
+        # Independent holder count over the block tables: no leak, no double free.
+        holders: dict[int, int] = {}
+        host_holders: dict[int, int] = {}
+        for rid, toks in self.tokens.items():
+            req = kv.requests[rid]
+            assert req.num_tokens == len(toks)
+            table = kv.block_table(rid)
+            assert len(table) == -(-len(toks) // BS)  # at most one partial block
+            assert kv.is_swapped(rid) == (rid in self.swapped)
+            for b in table:
+                if b >= 0:
+                    holders[b] = holders.get(b, 0) + 1
+            for h in req.host_blocks.values():
+                host_holders[h] = host_holders.get(h, 0) + 1
+            assert all(table[i] == -1 for i in req.host_blocks)
+            r = snap.requests[rid]
+            assert r.private_blocks + r.shared_blocks == sum(b >= 0 for b in table) == r.blocks
+            assert r.swapped_blocks == len(req.host_blocks)
+            assert r.shared_blocks == sum(b >= 0 and holders_total(kv, b) > 1 for b in table)
+        assert snap.used_blocks == len(holders)
+        assert all(kv.pool.blocks[b].ref_cnt == n for b, n in holders.items())
+        assert set(host_holders.values()) <= {1}
+        assert snap.swapped_blocks == len(host_holders) == kv.host_pool.num_used_blocks
+        assert snap.shared_blocks == sum(1 for n in holders.values() if n > 1)
+        assert not kv._pending_copies
+
+    @invariant()
+    def every_position_holds_its_own_value(self):
+        for rid, toks in self.tokens.items():
+            req = self.kv.requests[rid]
+            for pos in range(len(toks)):
+                i, o = divmod(pos, BS)
+                if i in req.host_blocks:
+                    got = self.host.get(req.host_blocks[i] * BS + o)
+                else:
+                    got = self.device.get(req.block_table[i] * BS + o)
+                assert got == self._value(rid, pos), (rid, pos, got)
+
+    def teardown(self):
+        for rid in list(self.tokens):
+            self.kv.free(rid)
+        self.kv.check_invariants()
+        assert self.kv.num_used_blocks == 0
+        assert self.kv.host_pool.num_used_blocks == 0
+        assert self.kv.ledger().used_blocks == 0 and not self.kv.requests
+
+
+def holders_total(kv: KVCacheManager, block_id: int) -> int:
+    return kv.pool.blocks[block_id].ref_cnt
+
+
+def test_kv_cache_state_machine():
+    run_state_machine_as_test(KVCacheMachine, settings=SETTINGS)
+
+
+def _colliding_hash(parent_hash, token_ids, salt=None):
+    # Ignores the parent and the salt and keeps 2 bits: almost every lookup is a collision,
+    # so only the exact-content verification stands between a prompt and a false hit.
+    return hash(token_ids) & 3
+
+
+def test_kv_cache_state_machine_with_colliding_hashes(monkeypatch):
+    monkeypatch.setattr(kvm_mod, "hash_block", _colliding_hash)
+    run_state_machine_as_test(KVCacheMachine, settings=SETTINGS)

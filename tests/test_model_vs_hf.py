@@ -1,0 +1,251 @@
+"""The model side against its oracle: Hugging Face transformers, float32, greedy.
+
+Every supported architecture is built tiny with random weights, saved as safetensors, loaded
+by kvledger and run through the paged cache with 4-token blocks allocated in shuffled order.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from model_factory import PagedDriver, build_hf_model, tiny_config
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from kvledger.errors import ConfigError, UnsupportedArchitectureError
+from kvledger.model.attention import torch_backend
+from kvledger.model.kv_cache import HostKVPool, KVCachePool
+from kvledger.model.loader import load_model, load_tokenizer
+
+STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260k"
+KINDS = ["llama_mha", "llama_gqa", "llama_mqa", "llama3_rope", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only add synchronisation (and stall on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = build_hf_model(tiny_config(request.param), folder)
+    hf.generation_config.eos_token_id = None  # compare full-length continuations
+    hf.generation_config.pad_token_id = 0
+    return hf, load_model(folder)
+
+
+def _prompt(n: int, seed: int = 1, vocab: int = 97) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    out = hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
+
+
+def test_prefill_logits_match_hf(tiny):
+    hf, loaded = tiny
+    prompt = _prompt(23)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    got = PagedDriver(loaded).step([("a", prompt)])
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_greedy_matches_hf_generate(tiny):
+    """Token-identical to HF generate over 30 steps; every step's logits agree too."""
+    hf, loaded = tiny
+    prompt = _prompt(11, seed=2)
+    ref_tokens, ref_logits = _hf_greedy(hf, prompt, 30)
+    drv = PagedDriver(loaded, block_size=4, seed=7)
+    logits = [drv.step([("a", prompt[:5])]), drv.step([("a", prompt[5:])])]  # chunked prefill
+    tokens: list[int] = []
+    step_logits = []
+    for _ in range(30):
+        step_logits.append(logits[-1][-1])
+        tokens.append(int(step_logits[-1].argmax()))
+        logits.append(drv.step([("a", [tokens[-1]])]))
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.stack(step_logits), ref_logits, atol=1e-4, rtol=1e-4)
+    table = drv.tables["a"]
+    assert len(table) >= 10 and table != sorted(table), "blocks must be many and non-contiguous"
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen3"])
+@pytest.mark.parametrize("batch_decodes", [False, True])
+def test_mixed_batch_matches_each_request_alone(kind, batch_decodes, tmp_path, monkeypatch):
+    """One request prefills a chunk while two decode: same logits as running each alone,
+    whether the decodes are batched (padded) or attended one by one."""
+    limit = float("inf") if batch_decodes else 0.0
+    monkeypatch.setattr(torch_backend, "_MAX_DECODE_PADDING", limit)
+    monkeypatch.setattr(torch_backend, "_MAX_BATCHED_CONTEXT", limit)
+    build_hf_model(tiny_config(kind), tmp_path)
+    loaded = load_model(tmp_path)
+    prompts = {"a": _prompt(9, 1), "b": _prompt(14, 2), "c": _prompt(3, 3)}
+    nxt = {"b": 5, "c": 6}
+
+    alone = {}
+    for rid, p in prompts.items():
+        drv = PagedDriver(loaded, seed=hash(rid) % 100)
+        if rid == "a":
+            drv.step([(rid, p[:4])])
+            alone[rid] = drv.step([(rid, p[4:])])
+        else:
+            drv.step([(rid, p)])
+            alone[rid] = drv.step([(rid, [nxt[rid]])])
+
+    drv = PagedDriver(loaded, seed=11)
+    drv.step([("a", prompts["a"][:4]), ("b", prompts["b"]), ("c", prompts["c"])])
+    mixed = drv.step([("b", [nxt["b"]]), ("a", prompts["a"][4:]), ("c", [nxt["c"]])])
+    plan = loaded.model.attn_backend._plan
+    assert (plan.decode is not None) == batch_decodes
+    assert len(plan.chunks) == (1 if batch_decodes else 3)
+    torch.testing.assert_close(mixed[0:1], alone["b"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[1:6], alone["a"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[6:7], alone["c"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not STORIES.is_dir(), reason="shared stories260k test model not present")
+def test_stories260k_greedy_matches_hf_and_readme():
+    loaded = load_model(STORIES)
+    assert loaded.dtype == torch.float32
+    assert loaded.eos_token_ids == [1, 2]
+    assert loaded.max_model_len == 512
+    tok = load_tokenizer(STORIES)
+    prompt = tok("Once upon a time")["input_ids"]
+    assert prompt[0] == 1  # BOS added by the tokenizer
+    out = PagedDriver(loaded, block_size=4, num_blocks=64).greedy(
+        "s", prompt, 200, stop_ids=tuple(loaded.eos_token_ids)
+    )
+    hf = AutoModelForCausalLM.from_pretrained(STORIES)
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=200, do_sample=False)
+    assert out == ref[0, len(prompt) :].tolist()
+    text = " ".join(tok.decode(out, skip_special_tokens=True).split())
+    assert text.startswith(
+        ", there was a little girl named Lily. She loved to play outside in the park. "
+        "One day, she saw a big, red ball. She wanted to play with it, but it was too high."
+    )
+
+
+def test_sharded_safetensors(tmp_path):
+    hf = build_hf_model(tiny_config("llama_gqa"), tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert not (tmp_path / "model.safetensors").exists()
+    prompt = _prompt(7)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    got = PagedDriver(load_model(tmp_path)).step([("a", prompt)])
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50)).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        load_model(tmp_path)
+    msg = str(e.value)
+    assert "unsupported architecture GPT2LMHeadModel" in msg
+    assert "LlamaForCausalLM" in msg and "Qwen3ForCausalLM" in msg
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="config.json"):
+        load_model(tmp_path)
+    tiny_config("llama_mha").save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="model.safetensors"):
+        load_model(tmp_path)
+
+
+def test_old_style_rope_keys_and_explicit_dtypes(tmp_path):
+    """Pre-transformers-5 configs keep rope_theta/rope_scaling at top level: same model."""
+    hf = build_hf_model(tiny_config("llama3_rope"), tmp_path)
+    cfg_path = tmp_path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = {**params, "type": params.pop("rope_type")}
+    cfg_path.write_text(json.dumps(cfg))
+    loaded = load_model(tmp_path, max_model_len=64)
+    assert loaded.config.rope_scaling is not None and loaded.config.rope_theta == 500000.0
+    assert loaded.max_model_len == 64
+    prompt = _prompt(40)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(PagedDriver(loaded).step([("a", prompt)]), ref, atol=1e-4, rtol=1e-4)
+    assert load_model(tmp_path, dtype="float16").model.dtype == torch.float16
+    with pytest.raises(ConfigError, match="dtype"):
+        load_model(tmp_path, dtype="int8")
+    with pytest.raises(ConfigError, match="max_model_len"):
+        load_model(tmp_path, max_model_len=10_000)
+
+
+def test_bf16_model_runs_and_agrees_on_first_token(tmp_path):
+    hf = build_hf_model(tiny_config("qwen2"), tmp_path, dtype=torch.bfloat16)
+    loaded = load_model(tmp_path)  # "auto" picks the checkpoint's bfloat16
+    assert loaded.dtype == torch.bfloat16
+    assert loaded.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    prompt = _prompt(12)
+    drv = PagedDriver(loaded)
+    logits = drv.step([("a", prompt)])
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert drv.pool.data.dtype == torch.bfloat16
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+    assert int(logits[-1].argmax()) == int(ref.argmax())
+    assert torch.isfinite(drv.step([("a", [int(logits[-1].argmax())])])).all()
+
+
+def test_copy_blocks_and_swap_round_trip():
+    """COW copies and swaps move whole blocks, every layer, K and V, and nothing else."""
+    pool = KVCachePool(
+        num_layers=3, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32
+    )
+    pool.data.copy_(torch.randn_like(pool.data))
+    before = pool.data.clone()
+    pool.copy_blocks([(0, 3), (1, 4)])
+    assert torch.equal(pool.data[:, :, 3], before[:, :, 0])
+    assert torch.equal(pool.data[:, :, 4], before[:, :, 1])
+    assert torch.equal(pool.data[:, :, [0, 1, 2, 5]], before[:, :, [0, 1, 2, 5]])
+
+    host = HostKVPool(3, pool)
+    assert host.data.shape[2] == 3 and host.data.device.type == "cpu"
+    host.swap_out([(5, 2), (3, 0)])
+    assert torch.equal(host.data[:, :, 2], pool.data[:, :, 5])
+    assert torch.equal(host.data[:, :, 0], pool.data[:, :, 3])
+    saved = pool.data.clone()
+    pool.data.zero_()
+    host.swap_in([(2, 1), (0, 5)])
+    assert torch.equal(pool.data[:, :, 1], saved[:, :, 5])
+    assert torch.equal(pool.data[:, :, 5], saved[:, :, 3])
+    assert pool.data[:, :, [0, 2, 3, 4]].abs().sum() == 0
+    assert pool.bytes_per_block == 3 * 2 * 4 * 2 * 8 * 4
+    assert pool.num_bytes == pool.data.numel() * 4
+
+
+def test_layer_cache_write_then_read_through_block_table():
+    pool = KVCachePool(
+        num_layers=1, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=3, dtype=torch.float32
+    )
+    layer = pool.layer(0)
+    k, v = torch.randn(6, 2, 3), torch.randn(6, 2, 3)
+    table = [3, 1]  # tokens 0-3 in block 3, tokens 4-5 in block 1
+    slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(6)])
+    layer.write(k, v, slots)
+    kc, vc = layer.read(torch.tensor(table))
+    assert torch.equal(kc.flatten(0, 1)[:6], k) and torch.equal(vc.flatten(0, 1)[:6], v)
