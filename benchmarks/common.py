@@ -206,7 +206,7 @@ class ProcTreeRSSPoller:
     once per process.
     """
 
-    def __init__(self, pid: int, interval: float = 0.25):
+    def __init__(self, pid: int, interval: float = 1.0):
         self.pid, self.interval = pid, interval
         self.peak_kib = self.peak_pss_kib = 0
         self._stop = threading.Event()

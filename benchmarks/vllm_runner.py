@@ -99,7 +99,7 @@ def _tree_mem_kib(root: int) -> tuple[int, int]:
 class _TreePeak(threading.Thread):
     """Background /proc poller keeping the peak tree RSS and PSS of this process."""
 
-    def __init__(self, interval: float = 0.25):
+    def __init__(self, interval: float = 1.0):
         super().__init__(daemon=True)
         self.interval, self.stop = interval, threading.Event()
         self.peak_rss_kib = self.peak_pss_kib = 0

@@ -64,8 +64,15 @@ class PreemptionCostModel:
         return c0 + c1 * num_tokens + c2 * num_tokens * num_tokens if num_tokens > 0 else 0.0
 
     def recompute_cost(self, num_tokens: int, num_cached_tokens: int = 0) -> float:
-        """Prefill of the tokens not served by surviving prefix-cache blocks."""
-        return max(0.0, self.prefill_time(num_tokens) - self.prefill_time(num_cached_tokens))
+        """Marginal prefill time of the tokens not served by surviving prefix-cache blocks.
+
+        The fixed per-forward cost c0 is left out: the recompute rides in a step that runs
+        anyway. The swap side keeps its fixed cost (one copy per layer per direction), which is
+        what makes short victims cheaper to recompute.
+        """
+        _, c1, c2 = self.prefill_coeffs
+        n, c = num_tokens, min(num_cached_tokens, num_tokens)
+        return c1 * (n - c) + c2 * (n * n - c * c)
 
     def choose(self, num_tokens: int, swap_bytes: int, num_cached_tokens: int = 0) -> str:
         if self.mode != "auto":
