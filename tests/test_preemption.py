@@ -109,3 +109,43 @@ def test_prompt_larger_than_the_pool_is_rejected_at_admission(stories_path):
     llm = LLM(str(stories_path), num_kv_blocks=4, block_size=8, calibrate_preemption=False)
     with pytest.raises(InvalidRequestError, match="KV blocks"):
         llm.generate([[1] + [300] * 40], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_swapped_request_comes_back_when_it_needs_the_whole_pool(stories_path):
+    """Regression: swap-in used to demand one block more than needed, so a request needing
+    the whole pool stayed swapped forever while generate() spun."""
+    llm = LLM(str(stories_path), num_kv_blocks=2, block_size=4, preemption_mode="swap",
+              calibrate_preemption=False)
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    eng.add_request([5], sp)
+    eng.add_request([5, 6, 7, 8], sp)
+    done = 0
+    for _ in range(100):
+        done += sum(o.finished for o in eng.step())
+        if done == 2:
+            break
+    assert done == 2, f"stuck: {len(eng.scheduler.swapped)} swapped, {eng.kv.num_free_blocks} free"
+    assert eng.ledger().preemptions["swap"] > 0
+
+
+def test_victim_is_not_readmitted_in_the_step_that_evicted_it(stories_path):
+    llm = LLM(str(stories_path), num_kv_blocks=12, block_size=8, max_num_batched_tokens=32,
+              preemption_mode="recompute", enable_prefix_caching=False, calibrate_preemption=False)
+    eng = llm.engine
+    sched = eng.scheduler
+    for n in (30, 35):
+        eng.add_request([1] + [300] * n, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    orig = sched.schedule
+    readmitted = []
+
+    def schedule():
+        out = orig()
+        readmitted.extend(set(out.admitted) & {rid for rid, _ in out.preempted})
+        return out
+
+    sched.schedule = schedule
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert readmitted == []
+    assert sum(eng.ledger().preemptions.values()) <= 2  # no ping-pong between the two

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv
+from kvledger.cache.kv_cache_manager import cdiv
 from kvledger.config import EngineConfig
 from kvledger.core.model_runner import ModelRunner, RunnerOutput
 from kvledger.core.preemption import PreemptionCostModel
@@ -81,21 +81,13 @@ class LLMEngine:
             dtype=self.model_dtype,
             device=self.device,
         )
-        num_host_blocks = min(int(cc.swap_space * _GiB) // bytes_per_block, num_blocks)
-        if sc.preemption_mode == "recompute":
-            num_host_blocks = 0
-        self.host_pool = HostKVPool(num_host_blocks, self.kv_pool) if num_host_blocks else None
-        self.kv = KVCacheManager(
-            num_blocks,
-            cc.block_size,
-            bytes_per_token=self.bytes_per_token,
-            enable_prefix_caching=cc.enable_prefix_caching,
-            num_host_blocks=num_host_blocks,
-        )
         self.cost_model = PreemptionCostModel(
             mode=sc.preemption_mode, recompute_threshold=sc.recompute_threshold
         )
-        self.scheduler = Scheduler(sc, self.kv, self.cost_model)
+        self.scheduler = Scheduler.build(sc, cc, num_blocks, self.bytes_per_token, self.cost_model)
+        self.kv = self.scheduler.kv
+        num_host_blocks = self.kv.host_pool.num_blocks if self.kv.host_pool else 0
+        self.host_pool = HostKVPool(num_host_blocks, self.kv_pool) if num_host_blocks else None
         self.runner = ModelRunner(
             self.model, self.kv_pool, self.host_pool, self.kv, self.device, seed=config.seed
         )
@@ -233,16 +225,9 @@ class LLMEngine:
         self._account_swaps(so, ro)
         now = time.monotonic()
         touched: set[str] = set()
-        for s in so.scheduled:
-            req = s.request
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
-            if req.request_id in ro.prompt_logprobs:
-                req.prompt_logprobs.extend(ro.prompt_logprobs[req.request_id])
-            if req.request_id not in ro.sampled:
-                continue
+        for rid, lps in ro.prompt_logprobs.items():
+            self.scheduler.requests[rid].prompt_logprobs.extend(lps)
+        for req in self.scheduler.update_after_step(so, now):
             children = req.children if req.num_output_tokens == 0 else []
             if children:
                 req.children = []

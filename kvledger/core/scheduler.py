@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv
-from kvledger.config import SchedulerConfig
+from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel, select_victim
 from kvledger.core.request import Request, RequestStatus
 
@@ -45,6 +45,33 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    @classmethod
+    def build(
+        cls,
+        config: SchedulerConfig,
+        cache: CacheConfig,
+        num_blocks: int,
+        bytes_per_token: int,
+        cost_model: PreemptionCostModel | None = None,
+    ) -> Scheduler:
+        """The block manager and scheduler for a pool of ``num_blocks`` (engine and simulator).
+
+        The host swap pool holds ``swap_space`` GiB, at most as many blocks as the device pool,
+        and none when preemption is recompute-only.
+        """
+        bytes_per_block = bytes_per_token * cache.block_size
+        num_host = min(int(cache.swap_space * (1 << 30)) // bytes_per_block, num_blocks)
+        if config.preemption_mode == "recompute":
+            num_host = 0
+        kv = KVCacheManager(
+            num_blocks,
+            cache.block_size,
+            bytes_per_token=bytes_per_token,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            num_host_blocks=num_host,
+        )
+        return cls(config, kv, cost_model)
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -155,9 +182,7 @@ class Scheduler:
         ):
             req = self.swapped[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            host = len(self.kv.requests[req.request_id].host_blocks)
-            extra = cdiv(req.num_computed_tokens + n, bs) - cdiv(req.num_computed_tokens, bs) + 1
-            if host + extra > self.kv.num_free_blocks:
+            if self._swap_in_blocks_needed(req, n) + self._readmit_headroom() > self.kv.num_free_blocks:
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.kv.swap_in(req.request_id))
@@ -168,6 +193,7 @@ class Scheduler:
             budget -= n
 
         # 4. Admit waiting requests FCFS while budget, seats and blocks allow.
+        preempted_now = {rid for rid, _ in out.preempted}
         while (
             self.waiting
             and not self.swapped
@@ -175,6 +201,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.status is RequestStatus.WAITING and req.request_id in preempted_now:
+                break  # evicted this very step: re-admitting it now would only thrash
             if req.sampling_params.prompt_logprobs is not None:
                 computed, num_cached = [], 0  # every prompt position's logits are needed
             else:
@@ -185,6 +213,10 @@ class Scheduler:
             n = min(n, budget)
             need = self.kv.blocks_needed(req.request_id, n, computed)
             reserve = self.config.watermark_blocks if self.running else 0
+            if req.num_preemptions:
+                # A victim comes back only when its whole context fits with room to grow.
+                full = self.kv.blocks_needed(req.request_id, req.num_tokens - num_cached, computed)
+                reserve = max(reserve, full - need + self._readmit_headroom())
             if need + reserve > self.kv.num_free_blocks:
                 break
             ok = self.kv.allocate_slots(req.request_id, n, computed, req.cache_salt)
@@ -205,6 +237,42 @@ class Scheduler:
             req.steps_waited += 1
         out.blocks_to_copy = self.kv.take_block_copies()
         return out
+
+    def _readmit_headroom(self) -> int:
+        """Free blocks a preempted request must leave for the running ones' next blocks.
+
+        Without it a victim comes back as soon as its own blocks fit, runs the pool dry again
+        and evicts (or is evicted) at once: two long requests would trade places forever.
+        """
+        return len(self.running)
+
+    def _swap_in_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        """Host blocks coming back, plus new blocks (and a COW copy) for the next tokens."""
+        entry = self.kv.requests[req.request_id]
+        bs = self.kv.block_size
+        c = req.num_computed_tokens
+        need = len(entry.host_blocks) + max(0, cdiv(c + num_new_tokens, bs) - len(entry.block_table))
+        if c % bs:
+            last = entry.block_table[(c - 1) // bs]
+            if last >= 0 and self.kv.pool.blocks[last].ref_cnt > 1:
+                need += 1  # the shared partial block stayed resident; writing it copies it
+        return need
+
+    def update_after_step(self, so: SchedulerOutput, now: float) -> list[Request]:
+        """Account the step's computed tokens; return the requests now due a sampled token.
+
+        Shared by the engine and the simulator, so both advance requests identically.
+        """
+        due = []
+        for s in so.scheduled:
+            req = s.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if req.num_computed_tokens == req.num_tokens:
+                due.append(req)
+        return due
 
     def _blocks_needed(self, plan: list[ScheduledRequest]) -> int:
         return sum(self.kv.blocks_needed(s.request.request_id, s.num_new_tokens) for s in plan)

@@ -50,20 +50,8 @@ def build_scheduler(
     bytes_per_token: int,
     cost_model: PreemptionCostModel,
 ) -> Scheduler:
-    """The cache manager and scheduler exactly as ``LLMEngine.__init__`` builds them (host swap
-    pool = min(swap_space GiB, device pool), none under recompute-only)."""
-    bytes_per_block = bytes_per_token * cc.block_size
-    num_host_blocks = min(int(cc.swap_space * _GiB) // bytes_per_block, num_blocks)
-    if sc.preemption_mode == "recompute":
-        num_host_blocks = 0
-    kv = KVCacheManager(
-        num_blocks,
-        cc.block_size,
-        bytes_per_token=bytes_per_token,
-        enable_prefix_caching=cc.enable_prefix_caching,
-        num_host_blocks=num_host_blocks,
-    )
-    return Scheduler(sc, kv, cost_model)
+    """The cache manager and scheduler exactly as the engine builds them."""
+    return Scheduler.build(sc, cc, num_blocks, bytes_per_token, cost_model)
 
 
 def apply_step_update(
@@ -72,20 +60,10 @@ def apply_step_update(
     next_token: Callable[[Request], int],
     now: float,
 ) -> list[Request]:
-    """``LLMEngine.step``'s update for n == 1 requests with ignore_eos; returns the finished.
-
-    Advance ``num_computed_tokens``, publish newly full blocks, and when the request's last
-    token was computed append the sampled one and finish it at its output length.
-    """
+    """The engine's post-step update (``Scheduler.update_after_step``), then a placeholder
+    token for each due request, finishing it at its output length; returns the finished."""
     finished = []
-    for s in so.scheduled:
-        req = s.request
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = now
-        req.num_computed_tokens += s.num_new_tokens
-        scheduler.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
-        if req.num_computed_tokens < req.num_tokens:
-            continue  # a prefill chunk that does not reach the end: nothing sampled
+    for req in scheduler.update_after_step(so, now):
         req.append_output_token(next_token(req))
         if req.first_token_time is None:
             req.first_token_time = now
