@@ -132,6 +132,14 @@ def ensure_model(preset: str, seed: int = 0, path: str | Path | None = None) -> 
     return build_random_llama(path or model_dir(preset, seed), preset, seed)
 
 
+def kv_bytes_per_token(path: str | Path, dtype_bytes: int = 4) -> int:
+    """K+V bytes one token occupies across all layers (float32 by default)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+
+
 def model_num_params(path: str | Path) -> int | None:
     """Parameter count recorded at build time, if known."""
     meta = Path(path) / "bench_meta.json"
@@ -390,7 +398,7 @@ def print_result_table(results: list[dict[str, Any]]) -> None:
     """Print one row per engine result dict (keys as produced by the runners)."""
     hdr = (
         f"{'engine':<22}{'tok/s':>9}{'wall s':>9}{'startup s':>11}{'TTFT p50':>10}"
-        f"{'TTFT p99':>10}{'peak RSS MiB':>14}{'foreign CPU':>13}"
+        f"{'TTFT p99':>10}{'peak RSS MiB':>14}{'CPU ms/tok':>12}{'foreign CPU':>13}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -399,12 +407,21 @@ def print_result_table(results: list[dict[str, Any]]) -> None:
             f"{r['engine']:<22}{fmt(r.get('tok_per_s'), '.1f'):>9}{fmt(r.get('wall_s')):>9}"
             f"{fmt(r.get('startup_s')):>11}{fmt(r.get('ttft_p50_s')):>10}"
             f"{fmt(r.get('ttft_p99_s')):>10}{fmt(r.get('peak_rss_mib'), '.0f'):>14}"
+            f"{fmt(cpu_ms_per_token(r), '.1f'):>12}"
             f"{fmt((r.get('contention') or {}).get('foreign_cores_avg'), '.2f'):>10} cores"
         )
     print(
-        "(foreign CPU = average cores used by OTHER processes during the timed generate;"
-        " ~0 means an uncontended measurement)"
+        "(CPU ms/tok = the engine's own CPU time per generated token, steadier than tok/s on a"
+        " busy machine; vLLM's includes OpenMP spin-waiting. foreign CPU = average cores used"
+        " by OTHER processes during the timed generate: ~0 means an uncontended measurement)"
     )
+
+
+def cpu_ms_per_token(r: dict[str, Any]) -> float | None:
+    """Engine CPU milliseconds per generated (useful) token, if the run recorded them."""
+    own = (r.get("contention") or {}).get("own_cpu_s")
+    toks = r.get("generated_tokens") or r.get("useful_tokens")
+    return 1000 * own / toks if own is not None and toks else None
 
 
 def run_engine_subprocess(module: str, args: list[str], result_json: Path) -> dict[str, Any]:

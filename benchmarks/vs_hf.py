@@ -13,11 +13,13 @@ greedy decoding run one request at a time (no padding) on a subset (``--check-n`
     python -m benchmarks.vs_hf                   # both engines
     python -m benchmarks.vs_hf --only hf         # one engine alone
     python -m benchmarks.vs_hf --only kvledger
+    python -m benchmarks.vs_hf --only kvledger --reuse-hf   # compare with the last HF run
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -51,6 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, help="kvledger block size")
     ap.add_argument("--num-kv-blocks", type=int, help="kvledger KV blocks")
     ap.add_argument("--max-num-batched-tokens", type=int, help="kvledger token budget")
+    ap.add_argument(
+        "--reuse-hf",
+        action="store_true",
+        help="reuse OUT_DIR/hf.json if it was made for the same model, workload and batch size",
+    )
     ap.add_argument("--check-n", type=int, default=8, help="requests in the exactness check")
     ap.add_argument("--target", type=float, default=3.0, help="kvledger/HF ratio to meet")
     ap.add_argument("--strict", action="store_true", help="exit 1 on FAIL or any mismatch")
@@ -77,13 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         common_args += ["--threads", str(a.threads)]
     results, failures = {}, {}
-    if a.only in (None, "hf"):
+    fingerprint = {"model": str(model), "workload_sha": workload_sha(wl), "bs": a.batch_size}
+    hf_json = a.out_dir / "hf.json"
+    prev = json.loads(hf_json.read_text()) if (a.reuse_hf and hf_json.exists()) else None
+    if prev is not None and prev.get("fingerprint") == fingerprint:
+        print(f"\nreusing {hf_json} (same model, workload and batch size)")
+        results["hf"] = prev
+    elif a.only in (None, "hf"):
         try:
             results["hf"] = run_engine_subprocess(
                 "benchmarks.hf_static",
                 [*common_args, "--batch-size", str(a.batch_size)],
-                a.out_dir / "hf.json",
+                hf_json,
             )
+            results["hf"]["fingerprint"] = fingerprint
+            save_json(results["hf"], hf_json)
         except RuntimeError as e:
             failures["hf"] = str(e)
     if a.only in (None, "kvledger"):

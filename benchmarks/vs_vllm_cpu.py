@@ -34,6 +34,7 @@ from benchmarks.common import (
     ensure_model,
     exactness_report,
     hf_references,
+    kv_bytes_per_token,
     make_workload,
     model_num_params,
     pick_check_indices,
@@ -67,8 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="reuse OUT_DIR/vllm.json if it was made for the same model and workload",
     )
-    ap.add_argument("--block-size", type=int, help="kvledger block size")
-    ap.add_argument("--num-kv-blocks", type=int, help="kvledger KV blocks")
+    ap.add_argument("--block-size", type=int, default=16, help="kvledger block size")
+    ap.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        help="kvledger KV blocks (default: the same GiB of KV as --kv-space-gib gives vLLM)",
+    )
     ap.add_argument("--max-num-batched-tokens", type=int, help="kvledger token budget")
     ap.add_argument("--check-n", type=int, default=8, help="requests in the HF exactness check")
     ap.add_argument("--strict", action="store_true", help="exit 1 on failure or mismatch")
@@ -145,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
             results["vllm"] = run_vllm(a, model, wl_path, fingerprint)
         except RuntimeError as e:
             failures["vllm"] = str(e)
+    if a.num_kv_blocks is None:  # like-for-like KV memory with vLLM's VLLM_CPU_KVCACHE_SPACE
+        a.num_kv_blocks = a.kv_space_gib * 2**30 // (kv_bytes_per_token(model) * a.block_size)
+    print(
+        f"KV space: vLLM {a.kv_space_gib} GiB (block 32); kvledger {a.num_kv_blocks} blocks x "
+        f"{a.block_size} tokens x {kv_bytes_per_token(model)} B = "
+        f"{a.num_kv_blocks * a.block_size * kv_bytes_per_token(model) / 2**30:.2f} GiB"
+    )
     if a.only in (None, "kvledger"):
         kv_args = ["--model", str(model), "--workload", str(wl_path), "--threads", str(a.threads)]
         for flag, v in (

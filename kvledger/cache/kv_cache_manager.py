@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvledger.cache.block_pool import BlockPool, hash_block
 from kvledger.errors import CacheError, OutOfBlocksError
 from kvledger.ledger.snapshot import LedgerSnapshot, RequestBlocks
@@ -23,6 +25,7 @@ def cdiv(a: int, b: int) -> int:
 @dataclass
 class _RequestBlocks:
     block_table: list[int] = field(default_factory=list)  # -1 where the block is on the host
+    row: int = -1  # this request's row in the manager's block-table array
     num_tokens: int = 0  # token slots the table covers (computed + scheduled)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     salt: str | None = None
@@ -49,11 +52,41 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
         self.requests: dict[str, _RequestBlocks] = {}
+        # Every table mirrored into one int array, so a step's block tables are one gather
+        # (vLLM keeps the same mirror); rows are recycled, columns grow on demand.
+        self.block_table_array = np.zeros((16, 64), dtype=np.int64)
+        self._free_rows: list[int] = list(range(15, -1, -1))
         self._pending_copies: list[tuple[int, int]] = []
         # Counters the ledger and the metrics read (vLLM's names where they exist).
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens served from cached blocks
         self.num_cow_copies = 0
+
+    # -- the block-table mirror ------------------------------------------------------------------
+    def _new_entry(self, request_id: str, **kw) -> _RequestBlocks:
+        if not self._free_rows:
+            n = self.block_table_array.shape[0]
+            self.block_table_array = np.concatenate([self.block_table_array, np.zeros_like(self.block_table_array)])
+            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        req = _RequestBlocks(row=self._free_rows.pop(), **kw)
+        self.requests[request_id] = req
+        self._sync(req)
+        return req
+
+    def _sync(self, req: _RequestBlocks, start: int = 0) -> None:
+        """Mirror ``req.block_table[start:]`` into its array row."""
+        n = len(req.block_table)
+        if n > self.block_table_array.shape[1]:
+            cols = max(n, 2 * self.block_table_array.shape[1])
+            grown = np.zeros((self.block_table_array.shape[0], cols), dtype=np.int64)
+            grown[:, : self.block_table_array.shape[1]] = self.block_table_array
+            self.block_table_array = grown
+        if n > start:
+            self.block_table_array[req.row, start:n] = req.block_table[start:]
+
+    def block_table_rows(self, request_ids: list[str]) -> list[int]:
+        reqs = self.requests
+        return [reqs[r].row for r in request_ids]
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -123,9 +156,11 @@ class KVCacheManager:
             total = len(computed_blocks) * bs + num_new_tokens
             revived = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
             return cdiv(total, bs) - len(computed_blocks) + revived
-        total = req.num_tokens + num_new_tokens
-        need = max(0, cdiv(total, bs) - len(req.block_table))
-        if self._needs_cow(req) and num_new_tokens > 0:
+        nt = req.num_tokens
+        need = (nt + num_new_tokens + bs - 1) // bs - len(req.block_table)
+        if need < 0:
+            need = 0
+        if num_new_tokens > 0 and nt % bs and self._needs_cow(req):
             need += 1
         return need
 
@@ -161,10 +196,9 @@ class KVCacheManager:
         if self.blocks_needed(request_id, num_new_tokens, computed_blocks) > self.num_free_blocks:
             return False
         if req is None:
-            req = self.requests[request_id] = _RequestBlocks(salt=salt)
             for b in computed_blocks:
                 self.pool.touch(b)
-            req.block_table.extend(computed_blocks)
+            req = self._new_entry(request_id, salt=salt, block_table=list(computed_blocks))
             req.num_tokens = len(computed_blocks) * self.block_size
             # Hashes of reused blocks are recomputed lazily by cache_blocks from token ids.
         if num_new_tokens == 0:
@@ -175,12 +209,15 @@ class KVCacheManager:
             (dst,) = self.pool.allocate(1)
             self.pool.free([src])
             req.block_table[idx] = dst
+            self.block_table_array[req.row, idx] = dst
             self._pending_copies.append((src, dst))
             self.num_cow_copies += 1
         total = req.num_tokens + num_new_tokens
         extra = cdiv(total, self.block_size) - len(req.block_table)
         if extra > 0:
+            start = len(req.block_table)
             req.block_table.extend(self.pool.allocate(extra))
+            self._sync(req, start)
         req.num_tokens = total
         return True
 
@@ -189,10 +226,12 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         req = self._get(request_id)
-        if req.swapped:
-            raise CacheError(f"request {request_id!r} is swapped out; swap it in first")
         bs = self.block_size
         num_full = min(num_computed_tokens, len(token_ids)) // bs
+        if num_full <= len(req.block_hashes):
+            return  # the hot path: nothing new became full this step
+        if req.swapped:
+            raise CacheError(f"request {request_id!r} is swapped out; swap it in first")
         parent_hash = req.block_hashes[-1] if req.block_hashes else None
         for i in range(len(req.block_hashes), num_full):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
@@ -214,7 +253,8 @@ class KVCacheManager:
             raise CacheError(f"cannot fork swapped-out request {parent_id!r}")
         for b in parent.block_table:
             self.pool.touch(b)
-        self.requests[child_id] = _RequestBlocks(
+        self._new_entry(
+            child_id,
             block_table=list(parent.block_table),
             num_tokens=parent.num_tokens,
             block_hashes=list(parent.block_hashes),
@@ -225,6 +265,7 @@ class KVCacheManager:
         """Return every block of the request, tail first (so the tail is evicted first)."""
         req = self._get(request_id)
         del self.requests[request_id]
+        self._free_rows.append(req.row)
         self.pool.free([b for b in reversed(req.block_table) if b >= 0])
         if req.host_blocks:
             self.host_pool.free(list(req.host_blocks.values()))
@@ -274,6 +315,7 @@ class KVCacheManager:
             pairs.append((req.block_table[i], h))
             req.host_blocks[i] = h
             req.block_table[i] = -1
+            self.block_table_array[req.row, i] = -1
         req.swapped = True
         # Device blocks go back to the pool (their prefix hash stays: still reusable).
         self.pool.free([d for d, _ in reversed(pairs)])
@@ -294,6 +336,7 @@ class KVCacheManager:
         pairs = []
         for (i, h), d in zip(sorted(req.host_blocks.items()), dev):
             req.block_table[i] = d
+            self.block_table_array[req.row, i] = d
             pairs.append((h, d))
         self.host_pool.free([h for h, _ in pairs])
         req.host_blocks.clear()
@@ -364,6 +407,8 @@ class KVCacheManager:
         host_holders: dict[int, int] = {}
         for req in self.requests.values():
             assert len(req.block_table) == cdiv(req.num_tokens, self.block_size), req
+            row = self.block_table_array[req.row, : len(req.block_table)].tolist()
+            assert row == req.block_table, (row, req.block_table)
             for b in req.block_table:
                 if b >= 0:
                     holders[b] = holders.get(b, 0) + 1

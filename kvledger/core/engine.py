@@ -5,18 +5,19 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvledger.cache.kv_cache_manager import cdiv
+from kvledger.cache.kv_quant import SINK_CACHE_ENTRIES
 from kvledger.config import EngineConfig
 from kvledger.core.model_runner import ModelRunner, RunnerOutput
 from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.request import Request, RequestStatus
 from kvledger.core.scheduler import Scheduler, SchedulerOutput
 from kvledger.errors import ConfigError, InvalidRequestError
-from kvledger.ledger.accounting import ModelSpec, kv_bytes_per_token
+from kvledger.ledger.accounting import ModelSpec, kv_bytes_per_token, per_request_overhead_bytes
 from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
 from kvledger.model.loader import load_model, load_tokenizer
@@ -26,6 +27,7 @@ from kvledger.sampling_params import SamplingParams
 logger = logging.getLogger("kvledger")
 
 _GiB = 1 << 30
+_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass
@@ -69,9 +71,12 @@ class LLMEngine:
 
         self.spec = ModelSpec.from_hf_config(self.hf_config, name=str(config.model))
         kv_dtype = _plan_kv_dtype(cc.kv_cache_dtype, self.model_dtype)
-        self.bytes_per_token = kv_bytes_per_token(self.spec, kv_dtype).total
+        kv_bytes = kv_bytes_per_token(self.spec, kv_dtype)
+        self.bytes_per_token = kv_bytes.total  # K/V data + quantisation scales
+        self.scale_bytes_per_token = kv_bytes.scale_bytes
         bytes_per_block = self.bytes_per_token * cc.block_size
-        num_blocks = cc.num_kv_blocks or self._size_pool(bytes_per_block)
+        overlay_slots, reserved = self._plan_overlay(kv_dtype)
+        num_blocks = cc.num_kv_blocks or self._size_pool(bytes_per_block, reserved)
         self.kv_pool = KVCachePool(
             num_layers=self.spec.num_layers,
             num_blocks=num_blocks,
@@ -80,7 +85,13 @@ class LLMEngine:
             head_dim=self.spec.head_dim,
             dtype=self.model_dtype,
             device=self.device,
+            kv_cache_dtype=cc.kv_cache_dtype,
+            sink_tokens=cc.kv_sink_tokens,
+            recent_tokens=cc.kv_recent_tokens,
+            overlay_slots=overlay_slots,
         )
+        # The ledger's formula and the real allocation must agree.
+        assert self.kv_pool.bytes_per_block == bytes_per_block, (self.kv_pool.bytes_per_block, bytes_per_block)
         self.cost_model = PreemptionCostModel(
             mode=sc.preemption_mode, recompute_threshold=sc.recompute_threshold
         )
@@ -112,8 +123,25 @@ class LLMEngine:
         self.stream_outputs = False  # True: step() reports every updated request (servers)
 
     # -- sizing -------------------------------------------------------------------------------
-    def _size_pool(self, bytes_per_block: int) -> int:
-        """Blocks from the memory budget, never more than max_num_seqs full contexts need."""
+    def _plan_overlay(self, kv_dtype: str) -> tuple[int, int]:
+        """Quantised formats keep each running request's sinks and recent window in the model
+        dtype (the overlay, max_num_seqs + headroom slots) and a small cache of sinks for prefix
+        hits; both come out of the KV budget. Returns (overlay slots, bytes reserved)."""
+        cc, sc = self.config.cache, self.config.scheduler
+        model_spec = replace(self.spec, dtype=_TORCH_DTYPE_NAMES[self.model_dtype])
+        per_request = per_request_overhead_bytes(
+            model_spec, kv_dtype, cc.kv_sink_tokens, cc.kv_recent_tokens
+        )
+        self.overlay_bytes_per_request = per_request
+        if not per_request:
+            return 0, 0
+        slots = sc.max_num_seqs + max(4, sc.max_num_seqs // 8)
+        sinks = per_request_overhead_bytes(model_spec, kv_dtype, cc.kv_sink_tokens, 0)
+        return slots, slots * per_request + SINK_CACHE_ENTRIES * sinks
+
+    def _size_pool(self, bytes_per_block: int, reserved: int = 0) -> int:
+        """Blocks from the memory budget less `reserved` bytes (the quantised formats' overlay),
+        never more than max_num_seqs full contexts need."""
         cc, sc = self.config.cache, self.config.scheduler
         budget = cc.kv_cache_memory
         if budget is None:
@@ -122,6 +150,7 @@ class LLMEngine:
                 budget = int(free * 0.9)
             else:
                 budget = min(4 * _GiB, int(_mem_available() * 0.2))
+        budget -= reserved
         useful = sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size)
         num_blocks = min(budget // bytes_per_block, useful)
         if num_blocks < cdiv(self.max_model_len, cc.block_size) and num_blocks < 1:
@@ -235,6 +264,7 @@ class LLMEngine:
                     if child.is_finished:
                         continue
                     self.kv.fork(req.request_id, child.request_id)
+                    self.runner.fork_overlay(req, child)
                     child.num_computed_tokens = req.num_computed_tokens
                     child.num_cached_tokens = req.num_cached_tokens
                     child.prompt_logprobs = req.prompt_logprobs
@@ -359,6 +389,18 @@ class LLMEngine:
         snap = self.kv.ledger()
         st = self.swap_stats
         snap.kv_cache_dtype = self.config.cache.kv_cache_dtype
+        snap.scale_bytes_per_token = self.scale_bytes_per_token
+        snap.overlay_bytes_per_request = self.overlay_bytes_per_request
+        snap.overlay_slots = self.kv_pool.overlay_slots
+        snap.overlay_bytes = self.kv_pool.overlay_bytes
+        ov = self.runner.overlay
+        if ov is not None:
+            ov.sweep()
+            snap.overlay_slots_used = ov.num_used
+            snap.sink_cache_entries = len(ov.sink_cache)
+            snap.sink_cache_bytes = ov.sink_cache_bytes
+            snap.sink_cache_hits = ov.sink_cache_hits
+            snap.sink_cache_misses = ov.sink_cache_misses
         snap.preemptions = dict(self.scheduler.num_preemptions)
         snap.swapped_out_blocks = st["out_blocks"]
         snap.swapped_in_blocks = st["in_blocks"]

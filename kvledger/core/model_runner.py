@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvledger.cache.kv_cache_manager import KVCacheManager
@@ -30,6 +31,16 @@ class RunnerOutput:
     swap_in_seconds: float = 0.0
 
 
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]
+    sample_reqs: list[Request]
+    prompt_rows: list[tuple[Request, int, int, int]]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -47,6 +58,13 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.generator = torch.Generator().manual_seed(seed)
+        # Quantised KV with sinks / a recent window: which full-precision overlay slot each
+        # request owns (kvledger.cache.kv_quant.OverlaySlots); None for unquantised caches.
+        self.overlay = None
+        if kv_pool.overlay is not None:
+            from kvledger.cache.kv_quant import OverlaySlots
+
+            self.overlay = OverlaySlots(kv_pool, kv)
 
     # -- block movement --------------------------------------------------------------------
     def apply_block_ops(self, so: SchedulerOutput, out: RunnerOutput) -> None:
@@ -60,31 +78,40 @@ class ModelRunner:
             self.host_pool.swap_in(so.blocks_to_swap_in)
             out.swap_in_seconds = time.perf_counter() - t0
 
-    # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        out = RunnerOutput()
-        self.apply_block_ops(so, out)
-        if not so.scheduled:
-            return out
+    def fork_overlay(self, parent: Request, child: Request) -> None:
+        """An n > 1 child forked from parent starts with a copy of the parent's overlay slot."""
+        if self.overlay is not None:
+            self.overlay.fork(parent, child)
+
+    # -- the step ---------------------------------------------------------------------------
+    def prepare(self, so: SchedulerOutput) -> StepInputs:
+        """Flatten the step into the model's inputs (no model call: benchmarked on its own)."""
         bs = self.block_size
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         starts: list[int] = []
-        tables: list[list[int]] = []
+        rows: list[int] = []  # each request's row in the manager's block-table array
+        nblocks: list[int] = []
         sample_rows: list[int] = []  # flat row of the last token for requests due a sample
         sample_reqs: list[Request] = []
         prompt_rows: list[tuple[Request, int, int, int]] = []  # (req, flat row, count, start)
         row = 0
+        kv_tables = self.kv.requests
         for s in so.scheduled:
             req = s.request
             start, n = req.num_computed_tokens, s.num_new_tokens
-            input_ids.extend(req.all_token_ids[start : start + n])
+            if n == 1:
+                input_ids.append(req.all_token_ids[start])
+            else:
+                input_ids.extend(req.all_token_ids[start : start + n])
             query_lens.append(n)
             seq_lens.append(start + n)
             starts.append(start)
-            tables.append(self.kv.block_table(req.request_id))
+            entry = kv_tables[req.request_id]
+            rows.append(entry.row)
+            nblocks.append(len(entry.block_table))
             if start + n == req.num_tokens:
                 sample_rows.append(row + n - 1)
                 sample_reqs.append(req)
@@ -94,21 +121,33 @@ class ModelRunner:
                 if last > start:
                     prompt_rows.append((req, row, last - start, start))
             row += n
+        meta, positions = self._build_metadata(query_lens, seq_lens, starts, rows, nblocks, bs)
+        ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
+        return StepInputs(ids, positions, meta, sample_rows, sample_reqs, prompt_rows)
 
-        meta, positions = self._build_metadata(query_lens, seq_lens, starts, tables, bs)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, positions, meta, self.kv_pool.layers)
-
-        rows = list(sample_rows)
-        for _, first, count, _ in prompt_rows:
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        out = RunnerOutput()
+        self.apply_block_ops(so, out)
+        if not so.scheduled:
+            return out
+        inp = self.prepare(so)
+        if self.overlay is not None:  # quantised KV: full-precision sink / window slots
+            self.overlay.annotate(inp.meta, [s.request for s in so.scheduled])
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_pool.layers)
+        if self.overlay is not None:
+            self.overlay.after_step(inp.meta, [s.request for s in so.scheduled])
+        rows = list(inp.sample_rows)
+        for _, first, count, _ in inp.prompt_rows:
             rows.extend(range(first, first + count))
         if not rows:
             return out
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[idx]).float().cpu()
-        self._sample(logits[: len(sample_rows)], sample_reqs, out)
-        off = len(sample_rows)
-        for req, _, count, start in prompt_rows:
+        n_sample = len(inp.sample_rows)
+        self._sample(logits[:n_sample], inp.sample_reqs, out)
+        off = n_sample
+        for req, _, count, start in inp.prompt_rows:
             lp = logits[off : off + count].log_softmax(dim=-1)
             off += count
             targets = req.all_token_ids[start + 1 : start + 1 + count]
@@ -123,32 +162,35 @@ class ModelRunner:
         query_lens: list[int],
         seq_lens: list[int],
         starts: list[int],
-        tables: list[list[int]],
+        rows: list[int],
+        nblocks_list: list[int],
         bs: int,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         dev = self.device
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor(
-            [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long
-        )
-        ql = torch.tensor(query_lens, dtype=torch.long)
-        req_idx = torch.repeat_interleave(torch.arange(len(query_lens)), ql)
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.long)
-        torch.cumsum(ql, 0, out=qsl[1:])
-        positions = torch.arange(int(qsl[-1])) - qsl[:-1][req_idx] + torch.tensor(starts)[req_idx]
+        num_reqs = len(query_lens)
+        # Block tables: one gather from the manager's mirror array; padding set to block 0.
+        nblocks = np.asarray(nblocks_list, dtype=np.int64)
+        max_blocks = int(nblocks.max())
+        block_tables = self.kv.block_table_array[np.asarray(rows), :max_blocks]
+        block_tables[np.arange(max_blocks) >= nblocks[:, None]] = 0
+        ql = np.asarray(query_lens, dtype=np.int64)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(ql, out=qsl[1:])
+        req_idx = np.repeat(np.arange(num_reqs), ql)
+        positions = np.arange(qsl[-1]) - qsl[:-1][req_idx] + np.asarray(starts, dtype=np.int64)[req_idx]
         slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            query_start_loc=qsl.to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            block_tables=block_tables.to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
             block_size=bs,
-            max_query_len=max(query_lens),
+            max_query_len=int(ql.max()),
             max_seq_len=max(seq_lens),
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
         )
-        return meta, positions.to(dev)
+        return meta, torch.from_numpy(positions).to(dev)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], out: RunnerOutput) -> None:
         """One row per request; an n > 1 parent's first row is also sampled for its children."""

@@ -142,11 +142,14 @@ class Scheduler:
 
         # 1. Running requests first: a decode token each, or the next prefill chunk.
         plan: list[ScheduledRequest] = []
+        total_blocks = self.kv.pool.num_blocks
         for req in list(self.running):
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                n = budget
             if n <= 0:
                 continue
-            if cdiv(req.num_computed_tokens + n, bs) > self.kv.pool.num_blocks:
+            if (req.num_computed_tokens + n + bs - 1) // bs > total_blocks:
                 # It can never fit, even alone: stop it rather than loop on preemption.
                 self.finish_request(req, "length")
                 out.finished.append(req)
@@ -155,7 +158,7 @@ class Scheduler:
             budget -= n
 
         # 2. Preempt until the planned tokens' blocks fit.
-        while plan and self._blocks_needed(plan) > self.kv.num_free_blocks:
+        while plan and self._blocks_needed(plan) > self.kv.pool.num_free_blocks:
             victim = select_victim(
                 self.running,
                 self.config.victim_policy,
@@ -275,7 +278,11 @@ class Scheduler:
         return due
 
     def _blocks_needed(self, plan: list[ScheduledRequest]) -> int:
-        return sum(self.kv.blocks_needed(s.request.request_id, s.num_new_tokens) for s in plan)
+        needed = self.kv.blocks_needed
+        total = 0
+        for s in plan:
+            total += needed(s.request.request_id, s.num_new_tokens)
+        return total
 
     def _start_running(self, req: Request) -> None:
         if req.num_preemptions:

@@ -36,6 +36,18 @@ class LedgerSnapshot:
     requests: dict[str, RequestBlocks] = field(default_factory=dict)
     # Filled in by the engine (preemption and swap traffic, storage format).
     kv_cache_dtype: str = "auto"
+    # Quantised formats: bytes_per_token includes scale_bytes_per_token (one float16 per token per
+    # KV head, K and V); the full-precision overlay (sinks + recent window per request) and the
+    # sink cache for prefix hits live outside the blocks and come out of the same budget.
+    scale_bytes_per_token: int = 0
+    overlay_bytes_per_request: int = 0
+    overlay_slots: int = 0
+    overlay_slots_used: int = 0
+    overlay_bytes: int = 0
+    sink_cache_entries: int = 0
+    sink_cache_bytes: int = 0
+    sink_cache_hits: int = 0
+    sink_cache_misses: int = 0
     preemptions: dict[str, int] = field(default_factory=lambda: {"swap": 0, "recompute": 0})
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0

@@ -58,7 +58,13 @@ def _pairs_to_index(pairs: list[tuple[int, int]], src_device, dst_device):
 
 
 class KVCachePool:
-    """All layers' paged KV cache, preallocated once (zeros: unwritten slots stay finite, so masked reads are safe)."""
+    """All layers' paged KV cache, preallocated once (zeros: unwritten slots stay finite, so masked reads are safe).
+
+    ``kv_cache_dtype`` auto stores K/V in the model dtype; int8 / fp8 / fp8_int8 store codes plus
+    one float16 scale per token per KV head (``kvledger.cache.kv_quant``), all in one uint8 buffer,
+    and keep ``overlay_slots`` full-precision overlay slots of ``sink_tokens + recent_tokens`` rows
+    per layer for the requests' attention sinks and recent window.
+    """
 
     def __init__(
         self,
@@ -70,6 +76,10 @@ class KVCachePool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
+        kv_cache_dtype: str = "auto",
+        sink_tokens: int = 0,
+        recent_tokens: int = 0,
+        overlay_slots: int = 0,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -78,14 +88,82 @@ class KVCachePool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        # One allocation for the whole cache, so its size is one number the ledger can check.
-        self.data = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
-            dtype=dtype,
-            device=self.device,
-            pin_memory=pin_memory,
-        )
-        self.layers: list[LayerKVCache] = [PagedKVCache(self.data[i]) for i in range(num_layers)]
+        self.kv_cache_dtype = kv_cache_dtype
+        self.sink_tokens = sink_tokens
+        self.recent_tokens = recent_tokens
+        self.overlay: torch.Tensor | None = None
+        self.overlay_slots = 0
+        if kv_cache_dtype == "auto":
+            # One allocation for the whole cache, so its size is one number the ledger can check.
+            self.data = torch.zeros(
+                (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+                dtype=dtype,
+                device=self.device,
+                pin_memory=pin_memory,
+            )
+            self.layers: list[LayerKVCache] = [PagedKVCache(self.data[i]) for i in range(num_layers)]
+            return
+        from kvledger.cache import kv_quant
+
+        k_fmt, v_fmt = kv_quant.KV_FORMATS[kv_cache_dtype]
+        lay = kv_quant.layout_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # Still one allocation (codes and scales are views of it), so data.zero_() resets it all.
+        self.data = torch.zeros(lay["total"], dtype=torch.uint8, device=self.device, pin_memory=pin_memory)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+
+        def region(name: str, dt: torch.dtype) -> torch.Tensor:
+            off, n = lay[name]
+            return self.data[off : off + n].view(dt)
+
+        k = region("k", kv_quant.code_dtype(k_fmt)).view(shape)
+        v = region("v", kv_quant.code_dtype(v_fmt)).view(shape)
+        scales = region("scales", torch.float16).view(num_layers, 2, *shape[1:4])
+        self.layers = [
+            kv_quant.QuantizedPagedKVCache(
+                k[i : i + 1], v[i : i + 1], scales[i], k_fmt, v_fmt, dtype, sink_tokens, recent_tokens
+            )
+            for i in range(num_layers)
+        ]
+        if overlay_slots and sink_tokens + recent_tokens:
+            self.grow_overlay(overlay_slots)
+
+    # -- the full-precision overlay (quantised formats only) ------------------------------------
+    @property
+    def overlay_rows_per_slot(self) -> int:
+        return self.sink_tokens + self.recent_tokens
+
+    @property
+    def overlay_bytes(self) -> int:
+        return 0 if self.overlay is None else self.overlay.numel() * self.overlay.element_size()
+
+    def grow_overlay(self, num_slots: int) -> None:
+        """(Re)allocate the overlay [layers, 2, num_slots * (S + R), H, D], keeping what it holds."""
+        rows = num_slots * self.overlay_rows_per_slot
+        with torch.inference_mode(False):  # may grow mid-step; it must stay a normal tensor
+            new = torch.zeros(
+                (self.num_layers, 2, rows, self.num_kv_heads, self.head_dim),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            if self.overlay is not None:
+                new[:, :, : self.overlay.shape[2]] = self.overlay
+        self.overlay = new
+        self.overlay_slots = num_slots
+        for i, layer in enumerate(self.layers):
+            layer.overlay_k, layer.overlay_v = new[i, 0], new[i, 1]
+
+    def read_overlay_rows(self, slot: int, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of a slot, all layers: [layers, 2, hi - lo, H, D]."""
+        base = slot * self.overlay_rows_per_slot
+        return self.overlay[:, :, base + lo : base + hi]
+
+    def write_overlay_rows(self, slot: int, lo: int, values: torch.Tensor) -> None:
+        base = slot * self.overlay_rows_per_slot
+        self.overlay[:, :, base + lo : base + lo + values.shape[2]] = values
+
+    def copy_overlay_slot(self, src: int, dst: int) -> None:
+        n = self.overlay_rows_per_slot
+        self.overlay[:, :, dst * n : (dst + 1) * n] = self.overlay[:, :, src * n : (src + 1) * n]
 
     def layer(self, i: int) -> LayerKVCache:
         return self.layers[i]
@@ -116,7 +194,8 @@ class KVCachePool:
 
 
 class HostKVPool(KVCachePool):
-    """CPU twin of a device pool for swapped-out blocks (pinned when the device is CUDA)."""
+    """CPU twin of a device pool for swapped-out blocks (pinned when the device is CUDA), in the
+    same storage format; the overlay stays on the device while a request is swapped out."""
 
     def __init__(self, num_blocks: int, device_pool: KVCachePool) -> None:
         super().__init__(
@@ -128,6 +207,7 @@ class HostKVPool(KVCachePool):
             device_pool.dtype,
             device="cpu",
             pin_memory=device_pool.device.type == "cuda",
+            kv_cache_dtype=device_pool.kv_cache_dtype,  # swaps move codes and scales verbatim
         )
         self.device_pool = device_pool
 

@@ -25,6 +25,12 @@ class AttentionMetadata:
     # Python mirrors of the small per-request vectors, so backends need no .tolist() syncs.
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # Quantised KV caches only (None otherwise): each request's full-precision overlay slot, and
+    # the first position whose sink / recent-window rows that slot holds (earlier ones -- served by
+    # the prefix cache -- are read dequantised). See kvledger.cache.kv_quant.OverlaySlots.
+    overlay_slots: list[int] | None = None
+    overlay_sink_from: list[int] | None = None
+    overlay_window_from: list[int] | None = None
 
     @property
     def num_reqs(self) -> int:

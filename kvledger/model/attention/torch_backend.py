@@ -3,6 +3,15 @@
 Correctness first: each request reads back only its own blocks, and queries of a chunk sit at
 positions seq_len - query_len + i. Single-token decodes of many requests are batched into one
 masked SDPA call, because a Python loop costs more than the attention itself on small models.
+
+Quantised caches (``layer_cache.quantized``): every key is read back dequantised from the blocks
+of the requests in the step (never the whole cache), including the step's own tokens, and the
+full-precision overlay is substituted for sinks and the recent window, per query: a query at
+position q sees key p in full precision iff p < S or q - p < R (see ``kvledger.cache.kv_quant``).
+A decode overwrites those rows; a prefill chunk with R > 0 attends over the dequantised context
+plus the window's full-precision keys appended, with a mask that lets each query see each
+position exactly once. So a token's attention does not depend on how its request was chunked,
+batched or preempted.
 """
 
 from __future__ import annotations
@@ -25,6 +34,33 @@ _MAX_BATCHED_CONTEXT = 32768
 
 
 @dataclass
+class _Fix:
+    """Full-precision substitutions into one dequantised context (quantised caches only)."""
+
+    ctx_ov: torch.Tensor | None = None  # context rows replaced from the overlay ...
+    ov: torch.Tensor | None = None  # ... by these overlay rows
+    ctx_k: torch.Tensor | None = None  # context rows replaced from this step's k/v ...
+    k: torch.Tensor | None = None  # ... by these rows
+    ext_ov: torch.Tensor | None = None  # extra window keys appended: overlay rows ...
+    ext_k: torch.Tensor | None = None  # ... then rows of this step's k/v
+
+    def apply(self, ctx: torch.Tensor, ov: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """ctx [rows, K, D] (a fresh dequantised tensor, modified in place) -> keys or values."""
+        if self.ctx_ov is not None:
+            ctx.index_copy_(0, self.ctx_ov, ov.index_select(0, self.ov))
+        if self.ctx_k is not None:
+            ctx.index_copy_(0, self.ctx_k, new.index_select(0, self.k))
+        if self.ext_ov is None and self.ext_k is None:
+            return ctx
+        parts = [ctx]
+        if self.ext_ov is not None:
+            parts.append(ov.index_select(0, self.ext_ov))
+        if self.ext_k is not None:
+            parts.append(new.index_select(0, self.ext_k))
+        return torch.cat(parts)
+
+
+@dataclass
 class _Chunk:
     """One request attended on its own: query rows [start, end) over seq_len context tokens."""
 
@@ -33,6 +69,7 @@ class _Chunk:
     seq_len: int
     block_ids: torch.Tensor | None  # None: no cached context, attend over this step's k/v directly
     mask: torch.Tensor | None  # [L, S] bool where the chunk follows cached context
+    fix: _Fix | None = None
 
 
 @dataclass
@@ -42,12 +79,25 @@ class _DecodeBatch:
     rows: torch.Tensor  # [B] query row of each request
     block_tables: torch.Tensor  # [B, max_blocks]
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] additive (0 / -inf)
+    fix: _Fix | None = None  # rows of the flattened [B * max_blocks * block_size] context
 
 
 @dataclass
 class _Plan:
     chunks: list[_Chunk]
     decode: _DecodeBatch | None
+    # Quantised caches: this step's rows to keep in the full-precision overlay (after attention).
+    overlay_src: torch.Tensor | None = None
+    overlay_dst: torch.Tensor | None = None
+
+
+@dataclass
+class _Quant:
+    """What the plan needs to know about a quantised cache's overlay."""
+
+    sinks: int  # S
+    recent: int  # R
+    overlay: bool  # the cache has overlay rows and the step says which slot each request owns
 
 
 class TorchAttentionBackend:
@@ -68,11 +118,14 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         layer_cache.write(k, v, meta.slot_mapping)
-        plan = self._get_plan(meta, q.dtype, k.shape[1] * k.shape[2])
+        plan = self._get_plan(meta, q.dtype, k.shape[1] * k.shape[2], layer_cache)
         num_tokens, num_heads, head_dim = q.shape
         if len(plan.chunks) == 1 and plan.decode is None and plan.chunks[0].end == num_tokens:
             # A lone request (the common prefill and single-stream decode): no scatter needed.
-            return self._attend_chunk(q, k, v, layer_cache, plan.chunks[0], scale)
+            out = self._attend_chunk(q, k, v, layer_cache, plan.chunks[0], scale)
+            if plan.overlay_dst is not None:
+                layer_cache.write_overlay(k, v, plan.overlay_src, plan.overlay_dst)
+            return out
         out = q.new_empty(num_tokens, num_heads * head_dim)
         for c in plan.chunks:
             out[c.start : c.end] = self._attend_chunk(q, k, v, layer_cache, c, scale)
@@ -81,12 +134,19 @@ class TorchAttentionBackend:
             bsz = d.rows.shape[0]
             num_kv_heads = k.shape[1]
             kc, vc = layer_cache.read(d.block_tables)  # [B, nb, bs, K, D]
+            if d.fix is not None:
+                shape = kc.shape
+                kc = d.fix.apply(kc.flatten(0, 2), layer_cache.overlay_k, k).view(shape)
+                vc = d.fix.apply(vc.flatten(0, 2), layer_cache.overlay_v, v).view(shape)
             kc = kc.flatten(1, 2).transpose(1, 2)  # [B, K, S, D]
             vc = vc.flatten(1, 2).transpose(1, 2)
             # Fold each group's query heads into rows: K/V are never expanded for GQA.
             qd = q.index_select(0, d.rows).view(bsz, num_kv_heads, -1, head_dim)
             o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=d.mask, scale=scale)
             out.index_copy_(0, d.rows, o.reshape(bsz, num_heads * head_dim))
+        if plan.overlay_dst is not None:
+            # After attention: a prefill chunk's window reads ring rows that this write reuses.
+            layer_cache.write_overlay(k, v, plan.overlay_src, plan.overlay_dst)
         return out
 
     @staticmethod
@@ -108,6 +168,9 @@ class TorchAttentionBackend:
             kc, vc = layer_cache.read(c.block_ids)
             ki = kc.flatten(0, 1)[: c.seq_len]
             vi = vc.flatten(0, 1)[: c.seq_len]
+            if c.fix is not None:
+                ki = c.fix.apply(ki, layer_cache.overlay_k, k)
+                vi = c.fix.apply(vi, layer_cache.overlay_v, v)
         ki = ki.transpose(0, 1).unsqueeze(0)  # [1, K, S, D]
         vi = vi.transpose(0, 1).unsqueeze(0)
         if query_len == 1:
@@ -127,15 +190,26 @@ class TorchAttentionBackend:
         )
         return o[0].transpose(0, 1).reshape(query_len, num_heads * head_dim)
 
-    def _get_plan(self, meta: AttentionMetadata, dtype: torch.dtype, kv_width: int) -> _Plan:
+    def _get_plan(
+        self, meta: AttentionMetadata, dtype: torch.dtype, kv_width: int, layer_cache: LayerKVCache
+    ) -> _Plan:
         if meta is not self._plan_meta:
-            self._plan = _build_plan(meta, dtype, kv_width)
+            quant = None
+            if getattr(layer_cache, "quantized", False):
+                quant = _Quant(
+                    layer_cache.sink_tokens,
+                    layer_cache.recent_tokens,
+                    layer_cache.overlay_k is not None and meta.overlay_slots is not None,
+                )
+            self._plan = _build_plan(meta, dtype, kv_width, quant)
             self._plan_meta = meta
         assert self._plan is not None
         return self._plan
 
 
-def _build_plan(meta: AttentionMetadata, dtype: torch.dtype, kv_width: int) -> _Plan:
+def _build_plan(
+    meta: AttentionMetadata, dtype: torch.dtype, kv_width: int, quant: _Quant | None = None
+) -> _Plan:
     """Split the step into per-request chunks and (when it pays) one batch of decodes."""
     device = meta.slot_mapping.device
     bs = meta.block_size
@@ -155,6 +229,7 @@ def _build_plan(meta: AttentionMetadata, dtype: torch.dtype, kv_width: int) -> _
             len(decode_reqs) * padded_len <= _MAX_DECODE_PADDING * real
             and padded_len * kv_width <= _MAX_BATCHED_CONTEXT
         )
+    overlay = quant is not None and quant.overlay
 
     chunks: list[_Chunk] = []
     for i, (query_len, seq_len) in enumerate(
@@ -163,16 +238,26 @@ def _build_plan(meta: AttentionMetadata, dtype: torch.dtype, kv_width: int) -> _
         if query_len == 0 or (batch_decodes and query_len == 1):
             continue
         start = starts[i]
-        if seq_len == query_len:
+        if seq_len == query_len and quant is None:
             chunks.append(_Chunk(start, start + query_len, seq_len, None, None))
             continue
         num_blocks = -(-seq_len // bs)
-        mask = None
-        if query_len > 1:
+        mask = fix = None
+        if overlay:
+            fix = _Segments(device)
+            mask = _chunk_overlay(fix, meta, quant, i, start, query_len, seq_len, 0)
+        if mask is None and query_len > 1 and seq_len > query_len:
             q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
         chunks.append(
-            _Chunk(start, start + query_len, seq_len, meta.block_tables[i, :num_blocks], mask)
+            _Chunk(
+                start,
+                start + query_len,
+                seq_len,
+                meta.block_tables[i, :num_blocks],
+                mask,
+                fix.to_fix() if fix is not None else None,
+            )
         )
 
     decode = None
@@ -185,5 +270,108 @@ def _build_plan(meta: AttentionMetadata, dtype: torch.dtype, kv_width: int) -> _
         valid = torch.arange(max_blocks * bs, device=device)[None, :] < seq_lens[:, None]
         mask = torch.zeros(valid.shape, dtype=dtype, device=device)
         mask.masked_fill_(~valid, float("-inf"))
-        decode = _DecodeBatch(rows, block_tables, mask[:, None, None, :])
-    return _Plan(chunks, decode)
+        fix = None
+        if overlay:
+            seg = _Segments(device)
+            for b, i in enumerate(decode_reqs):
+                _chunk_overlay(seg, meta, quant, i, starts[i], 1, meta.seq_lens_list[i], b * max_blocks * bs)
+            fix = seg.to_fix()
+        decode = _DecodeBatch(rows, block_tables, mask[:, None, None, :], fix)
+
+    plan = _Plan(chunks, decode)
+    if overlay:
+        plan.overlay_src, plan.overlay_dst = _overlay_writes(meta, quant, starts, device)
+    return plan
+
+
+class _Segments:
+    """Collects destination / source row indices as Python ints, made tensors once per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.parts: dict[str, list[int]] = {}
+
+    def add(self, name: str, rows) -> None:
+        if rows:
+            self.parts.setdefault(name, []).extend(rows)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        p = self.parts.get(name)
+        return None if not p else torch.tensor(p, dtype=torch.int64, device=self.device)
+
+    def to_fix(self) -> _Fix | None:
+        if not self.parts:
+            return None
+        return _Fix(*(self.get(n) for n in ("ctx_ov", "ov", "ctx_k", "k", "ext_ov", "ext_k")))
+
+
+def _chunk_overlay(
+    seg: _Segments,
+    meta: AttentionMetadata,
+    quant: _Quant,
+    i: int,
+    row: int,
+    query_len: int,
+    seq_len: int,
+    ctx_offset: int,
+) -> torch.Tensor | None:
+    """Full-precision substitutions for request i's context; returns the chunk's mask when the
+    window needs extra keys (a prefill chunk with R > 0), else None."""
+    dev = seg.device
+    S, R = quant.sinks, quant.recent
+    base = meta.overlay_slots[i] * (S + R)
+    p0 = seq_len - query_len  # position of the chunk's first token
+    # Sinks: earlier ones from the slot (if it holds them), the chunk's own from this step's k/v.
+    lo, hi = max(meta.overlay_sink_from[i], 0), min(S, p0)
+    seg.add("ctx_ov", range(lo + ctx_offset, hi + ctx_offset))
+    seg.add("ov", range(lo + base, hi + base))
+    hi = min(S, seq_len)
+    seg.add("ctx_k", range(p0 + ctx_offset, hi + ctx_offset))
+    seg.add("k", range(row, hi - p0 + row))
+    if R == 0:
+        return None
+    # Window rows before the chunk that the slot's ring holds (positions >= w_lo).
+    w_lo = max(S, p0 - R + 1, min(meta.overlay_window_from[i], p0))
+    ring = base + S
+    if query_len == 1:
+        seg.add("ctx_ov", range(w_lo + ctx_offset, p0 + ctx_offset))
+        seg.add("ov", [ring + p % R for p in range(w_lo, p0)])
+        if p0 >= S:
+            seg.add("ctx_k", (p0 + ctx_offset,))
+            seg.add("k", (row,))
+        return None
+    e0 = min(w_lo, max(S, p0))  # extra keys cover positions [e0, seq_len)
+    if e0 >= seq_len:
+        return None
+    seg.add("ext_ov", [ring + p % R for p in range(e0, p0)])
+    seg.add("ext_k", range(max(e0, p0) - p0 + row, seq_len - p0 + row))
+    q = torch.arange(p0, seq_len, device=dev)[:, None]
+    kp = torch.arange(seq_len, device=dev)[None, :]
+    ep = torch.arange(e0, seq_len, device=dev)[None, :]
+    ctx_ok = (kp <= q) & ~((kp >= e0) & (q - kp < R))
+    ext_ok = (ep <= q) & (q - ep < R)
+    return torch.cat([ctx_ok, ext_ok], dim=1)
+
+
+def _overlay_writes(
+    meta: AttentionMetadata, quant: _Quant, starts: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of this step's k/v to keep in the overlay: new sink positions and the last R."""
+    S, R = quant.sinks, quant.recent
+    src: list[int] = []
+    dst: list[int] = []
+    for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        if query_len == 0:
+            continue
+        p0, row, base = seq_len - query_len, starts[i], meta.overlay_slots[i] * (S + R)
+        for p in range(p0, min(S, seq_len)):
+            src.append(row + p - p0)
+            dst.append(base + p)
+        if R:
+            for p in range(max(S, seq_len - R, p0), seq_len):
+                src.append(row + p - p0)
+                dst.append(base + S + p % R)
+    return (
+        torch.tensor(src, dtype=torch.int64, device=device),
+        torch.tensor(dst, dtype=torch.int64, device=device),
+    )

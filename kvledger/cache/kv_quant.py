@@ -1,0 +1,304 @@
+"""Quantised KV storage: int8 / fp8 (e4m3) / fp8_int8 codes with one scale per token per KV head,
+plus a small full-precision overlay for attention sinks and the recent window.
+
+Scales are absmax per (token, KV head), computed online as each token is written:
+
+- online: a token's scale depends on its own K/V only, so writing needs no statistics and never
+  re-scales a block when a later token has a larger magnitude (per-block or per-tensor scales would
+  have to, or would clip it);
+- exact for prefix sharing, copy-on-write and swap: a token's code never changes once written, so a
+  block copied verbatim (COW, swap, a prefix-cache hit) is bit-identical to recomputing it;
+- an outlier token (attention sinks reach 10-100x the others) only coarsens its own row.
+
+This module uses torch; unlike the rest of ``kvledger/cache`` it is imported by the model side only
+(``kvledger.model.kv_cache``, the runner), never by the scheduler or the simulator.
+
+The overlay (``OverlaySlots``): the pool always holds the quantised code of every token, so prefix
+sharing, COW and swap stay block copies. Each request that runs also owns an overlay slot holding
+the model-dtype K/V of its first ``S = kv_sink_tokens`` positions and a ring of its last
+``R = kv_recent_tokens`` positions, in every layer. Attention reads the dequantised blocks and
+substitutes those values; a token leaving the window is thereafter read through its code (KIVI's
+residual). The rule is per query: a query at position ``q`` sees key ``p`` in full precision iff
+``p < S`` or ``q - p < R`` (and the slot holds it), whatever the chunking of the step, so results
+do not depend on batching, chunked prefill or preemption.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# K format, V format of each kv_cache_dtype.
+KV_FORMATS: dict[str, tuple[str, str]] = {
+    "int8": ("int8", "int8"),
+    "fp8": ("fp8", "fp8"),
+    "fp8_int8": ("fp8", "int8"),  # K is the more sensitive (softmax logits), fp8 keeps its range
+}
+QMAX = {"int8": 127.0, "fp8": 448.0}  # e4m3's largest finite value is 448
+_SCALE_MIN = 2.0**-24  # smallest positive float16: absmax = 0 gives codes 0, never 0/0
+_SCALE_MAX = 65504.0  # largest float16
+SINK_CACHE_ENTRIES = 32  # prompts whose first S tokens' full-precision K/V are kept for prefix hits
+
+
+def code_dtype(fmt: str) -> torch.dtype:
+    """Storage dtype of a format's codes. fp8 codes are kept as the raw e4m3 bytes (uint8): CPU
+    torch has no index_copy_ for float8, and copies/swaps only move bytes anyway."""
+    if fmt == "int8":
+        return torch.int8
+    if fmt == "fp8":
+        return torch.uint8
+    raise ValueError(f"unknown element format {fmt!r} (expected int8 or fp8)")
+
+
+def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes [..., D] in ``code_dtype(fmt)``, scales [...] float16), absmax over D.
+
+    int8: s = absmax / 127, code = clamp(round(x / s), -127, 127): error <= s / 2 = absmax / 254.
+    fp8:  s = absmax / 448, code = e4m3(x / s): relative error <= 2^-4 in e4m3's normal range.
+    The scale is rounded to float16 before dividing, so dequantising with the stored scale is
+    exactly the value the error bounds describe.
+    """
+    qmax = QMAX[fmt]
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = (amax / qmax).clamp_(_SCALE_MIN, _SCALE_MAX).to(torch.float16)
+    y = (xf / scale.float().unsqueeze(-1)).clamp_(-qmax, qmax)
+    if fmt == "int8":
+        codes = torch.round(y).to(torch.int8)
+    else:
+        codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes, scale
+
+
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """codes [..., D], scales [...] -> values [..., D] in ``dtype`` (computed in float32)."""
+    if fmt == "fp8":
+        codes = codes.view(torch.float8_e4m3fn)
+    out = codes.to(torch.float32) * scales.to(torch.float32).unsqueeze(-1)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+class QuantizedPagedKVCache:
+    """One layer's quantised K/V (the LayerKVCache protocol).
+
+    storage = (k_codes [1, N, bs, H, D], v_codes [1, N, bs, H, D], scales [2, N, bs, H] float16):
+    every tensor has its blocks on dim 1, so the pools' COW copy and swaps move codes and scales
+    verbatim, one batched op per tensor. ``read`` dequantises only the blocks asked for (the blocks
+    of the requests in the step), never the whole cache.
+    """
+
+    quantized = True
+
+    def __init__(
+        self,
+        k_codes: torch.Tensor,
+        v_codes: torch.Tensor,
+        scales: torch.Tensor,
+        k_fmt: str,
+        v_fmt: str,
+        dtype: torch.dtype,
+        sink_tokens: int = 0,
+        recent_tokens: int = 0,
+    ) -> None:
+        _, num_blocks, block_size, num_kv_heads, head_dim = k_codes.shape
+        self.block_size = block_size
+        self.k_fmt, self.v_fmt, self.dtype = k_fmt, v_fmt, dtype
+        self.storage = (k_codes, v_codes, scales)
+        self.k_codes, self.v_codes = k_codes[0], v_codes[0]
+        self.k_scales, self.v_scales = scales[0], scales[1]
+        n = num_blocks * block_size
+        self._k_slots = self.k_codes.view(n, num_kv_heads, head_dim)
+        self._v_slots = self.v_codes.view(n, num_kv_heads, head_dim)
+        self._ks_slots = self.k_scales.view(n, num_kv_heads)
+        self._vs_slots = self.v_scales.view(n, num_kv_heads)
+        # Full-precision overlay rows [num_slots * (S + R), H, D] (set by the pool; None: no overlay).
+        self.sink_tokens = sink_tokens
+        self.recent_tokens = recent_tokens
+        self.overlay_k: torch.Tensor | None = None
+        self.overlay_v: torch.Tensor | None = None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        kc, ks = quantize(k, self.k_fmt)
+        vc, vs = quantize(v, self.v_fmt)
+        self._k_slots.index_copy_(0, slot_mapping, kc)
+        self._v_slots.index_copy_(0, slot_mapping, vc)
+        self._ks_slots.index_copy_(0, slot_mapping, ks)
+        self._vs_slots.index_copy_(0, slot_mapping, vs)
+
+    def read(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (*block_ids.shape, *self.k_codes.shape[1:])
+        flat = block_ids.reshape(-1)
+        k = dequantize(
+            self.k_codes.index_select(0, flat), self.k_scales.index_select(0, flat), self.k_fmt, self.dtype
+        )
+        v = dequantize(
+            self.v_codes.index_select(0, flat), self.v_scales.index_select(0, flat), self.v_fmt, self.dtype
+        )
+        return k.view(shape), v.view(shape)
+
+    def write_overlay(
+        self, k: torch.Tensor, v: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor
+    ) -> None:
+        """Keep full-precision copies of the step's rows src_rows at overlay rows dst_rows."""
+        if self.overlay_k is None or dst_rows.numel() == 0:
+            return
+        self.overlay_k.index_copy_(0, dst_rows, k.index_select(0, src_rows))
+        self.overlay_v.index_copy_(0, dst_rows, v.index_select(0, src_rows))
+
+
+def layout_bytes(num_layers: int, num_blocks: int, block_size: int, heads: int, head_dim: int) -> dict:
+    """Byte offsets of k codes, v codes and scales inside the pool's single uint8 buffer."""
+    codes = num_layers * num_blocks * block_size * heads * head_dim
+    scales = num_layers * 2 * num_blocks * block_size * heads * 2
+    v_off = _align(codes)
+    s_off = _align(v_off + codes)
+    return {"k": (0, codes), "v": (v_off, codes), "scales": (s_off, scales), "total": s_off + scales}
+
+
+def _align(n: int, a: int = 64) -> int:
+    return -(-n // a) * a
+
+
+# -- the overlay: per-request full-precision sinks and recent window ----------------------------
+@dataclass
+class _SlotState:
+    slot: int
+    req: Any  # the Request holding the slot
+    sink_from: int  # sink rows p in [sink_from, S) hold this request's own values (0 after a sink-cache hit)
+    ring_from: int  # window rows p >= ring_from (and within the last R before hi) are valid
+    hi: int  # positions < hi have been written into the slot
+
+
+class OverlaySlots:
+    """Which overlay slot each request owns, and what that slot holds (the runner's bookkeeping).
+
+    A slot is taken at a request's first schedule and kept while it is swapped out *or* preempted
+    by recompute (a recompute usually resumes from its own cached blocks, and the window rows just
+    before the resume point exist nowhere else); it is released once the request finishes. An n > 1
+    child gets a copy of its parent's slot at the fork. When every slot is held, the overlay grows
+    (doubling) rather than silently dropping a request to dequantised sinks: results stay the same
+    whatever the load, and the ledger's ``overlay_bytes`` shows the real size.
+
+    Sinks on a prefix-cache hit: a request whose prompt starts in the cache did not compute its
+    first S positions. Their K/V depend only on the first S tokens (causal attention), so an LRU
+    table keyed by those tokens keeps full-precision sink K/V (all layers), filled by the requests
+    that compute them; on a miss the dequantised values are used (counted in
+    ``sink_cache_misses``). Window rows served by the prefix cache are read dequantised.
+    """
+
+    def __init__(self, pool: Any, kv: Any, sink_entries: int = SINK_CACHE_ENTRIES) -> None:
+        self.pool = pool
+        self.kv = kv  # KVCacheManager: a holder with no block table that was never preempted is gone
+        self.S = pool.sink_tokens
+        self.R = pool.recent_tokens
+        self.states: dict[str, _SlotState] = {}
+        self.free: list[int] = list(range(pool.overlay_slots - 1, -1, -1))
+        self.sink_cache: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self.sink_entries = sink_entries
+        self.sink_cache_hits = 0
+        self.sink_cache_misses = 0
+
+    @property
+    def num_used(self) -> int:
+        return len(self.states)
+
+    @property
+    def sink_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.sink_cache.values())
+
+    def sweep(self) -> None:
+        """Release the slots of finished requests (and of requests that left without a trace)."""
+        for rid, st in list(self.states.items()):
+            r = st.req
+            if r.is_finished or (rid not in self.kv.requests and not r.num_preemptions):
+                self._release(rid)
+
+    def _release(self, rid: str) -> None:
+        st = self.states.pop(rid)
+        self.free.append(st.slot)
+
+    def _take_slot(self) -> int:
+        if not self.free:
+            old = self.pool.overlay_slots
+            self.pool.grow_overlay(2 * old)
+            self.free = list(range(self.pool.overlay_slots - 1, old - 1, -1))
+        return self.free.pop()
+
+    def annotate(self, meta: Any, reqs: list[Any]) -> None:
+        """Give each scheduled request its slot and tell attention which rows the slot holds."""
+        self.sweep()
+        S, R = self.S, self.R
+        slots, sink_from, ring_from = [], [], []
+        for req, n, end in zip(reqs, meta.query_lens_list, meta.seq_lens_list, strict=True):
+            start = end - n
+            st = self.states.get(req.request_id)
+            if st is None:
+                st = _SlotState(self._take_slot(), req, start, start, start)
+                self.states[req.request_id] = st
+                if start > 0:
+                    self._sinks_from_cache(st, req)
+            elif start != st.hi:
+                # Resumed after a recompute preemption (or from a longer cached prefix).
+                if start < st.hi:
+                    st.ring_from = max(st.ring_from, st.hi - R)
+                    if st.ring_from > start:
+                        st.ring_from = start
+                    st.sink_from = min(st.sink_from, start)
+                else:
+                    st.ring_from = start
+                    if st.hi < S and st.sink_from > 0:
+                        st.sink_from = S
+                        self._sinks_from_cache(st, req)
+            slots.append(st.slot)
+            sink_from.append(st.sink_from)
+            ring_from.append(st.ring_from)
+            st.hi = end
+        meta.overlay_slots = slots
+        meta.overlay_sink_from = sink_from
+        meta.overlay_window_from = ring_from
+
+    def after_step(self, meta: Any, reqs: list[Any]) -> None:
+        """Publish sinks a request has just finished computing to the sink cache."""
+        S = self.S
+        if S == 0 or self.sink_entries == 0:
+            return
+        for req, n, end in zip(reqs, meta.query_lens_list, meta.seq_lens_list, strict=True):
+            if end - n < S <= end:
+                st = self.states[req.request_id]
+                if st.sink_from != 0:
+                    continue
+                key = tuple(req.all_token_ids[:S])
+                if key in self.sink_cache:
+                    self.sink_cache.move_to_end(key)
+                    continue
+                self.sink_cache[key] = self.pool.read_overlay_rows(st.slot, 0, S).clone()
+                if len(self.sink_cache) > self.sink_entries:
+                    self.sink_cache.popitem(last=False)
+
+    def _sinks_from_cache(self, st: _SlotState, req: Any) -> None:
+        S = self.S
+        if S == 0 or len(req.all_token_ids) < S:
+            return
+        key = tuple(req.all_token_ids[:S])
+        hit = self.sink_cache.get(key)
+        if hit is None:
+            self.sink_cache_misses += 1
+            return
+        self.sink_cache.move_to_end(key)
+        self.sink_cache_hits += 1
+        self.pool.write_overlay_rows(st.slot, 0, hit)
+        st.sink_from = 0
+
+    def fork(self, parent: Any, child: Any) -> None:
+        """An n > 1 child starts with a copy of its parent's slot."""
+        p = self.states.get(parent.request_id)
+        if p is None or child.request_id in self.states:
+            return
+        slot = self._take_slot()
+        self.pool.copy_overlay_slot(p.slot, slot)
+        self.states[child.request_id] = _SlotState(slot, child, p.sink_from, p.ring_from, p.hi)
