@@ -221,6 +221,44 @@ class KVCacheManager:
         req.num_tokens = total
         return True
 
+    def blocks_needed_total(self, items: list[tuple[str, int]]) -> int:
+        """Free blocks that ``allocate_many(items)`` would consume (running requests only).
+
+        The scheduler's per-step hot path: one call for the whole batch, arithmetic inline.
+        """
+        bs = self.block_size
+        reqs, blocks = self.requests, self.pool.blocks
+        total = 0
+        for rid, n in items:
+            req = reqs[rid]
+            nt = req.num_tokens
+            table = req.block_table
+            need = (nt + n + bs - 1) // bs - len(table)
+            if need > 0:
+                total += need
+            if n and nt % bs:
+                blk = blocks[table[(nt - 1) // bs]]
+                if blk.ref_cnt > 1 or blk.block_hash is not None:
+                    total += 1  # copy-on-write of the shared partial block
+        return total
+
+    def allocate_many(self, items: list[tuple[str, int]]) -> bool:
+        """``allocate_slots`` for many running requests, all or nothing."""
+        if self.blocks_needed_total(items) > self.num_free_blocks:
+            return False
+        bs = self.block_size
+        reqs, blocks = self.requests, self.pool.blocks
+        for rid, n in items:
+            req = reqs[rid]
+            nt = req.num_tokens
+            if nt % bs and n <= bs - nt % bs and not req.swapped:
+                blk = blocks[req.block_table[(nt - 1) // bs]]
+                if blk.ref_cnt == 1 and blk.block_hash is None:
+                    req.num_tokens = nt + n  # fits in its own partial block: no allocation
+                    continue
+            self.allocate_slots(rid, n)
+        return True
+
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Publish the request's blocks that became full (and computed) under their hashes."""
         if not self.enable_prefix_caching:

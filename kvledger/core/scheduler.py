@@ -18,7 +18,7 @@ from kvledger.core.preemption import PreemptionCostModel, select_victim
 from kvledger.core.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
@@ -158,7 +158,7 @@ class Scheduler:
             budget -= n
 
         # 2. Preempt until the planned tokens' blocks fit.
-        while plan and self._blocks_needed(plan) > self.kv.pool.num_free_blocks:
+        while plan and self.kv.blocks_needed_total(self._items(plan)) > self.kv.num_free_blocks:
             victim = select_victim(
                 self.running,
                 self.config.victim_policy,
@@ -171,9 +171,8 @@ class Scheduler:
                     del plan[i]
                     break
             self._preempt(victim, out)
-        for s in plan:
-            ok = self.kv.allocate_slots(s.request.request_id, s.num_new_tokens)
-            assert ok, "blocks were reserved for the running requests"
+        ok = self.kv.allocate_many(self._items(plan))
+        assert ok, "blocks were reserved for the running requests"
         out.scheduled.extend(plan)
 
         # 3. Swapped-out requests come back before anything new is admitted (FCFS).
@@ -267,22 +266,21 @@ class Scheduler:
         Shared by the engine and the simulator, so both advance requests identically.
         """
         due = []
+        cache_blocks = self.kv.cache_blocks
         for s in so.scheduled:
             req = s.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
-            if req.num_computed_tokens == req.num_tokens:
+            c = req.num_computed_tokens = req.num_computed_tokens + s.num_new_tokens
+            tokens = req.all_token_ids
+            cache_blocks(req.request_id, tokens, c)
+            if c == len(tokens):
                 due.append(req)
         return due
 
-    def _blocks_needed(self, plan: list[ScheduledRequest]) -> int:
-        needed = self.kv.blocks_needed
-        total = 0
-        for s in plan:
-            total += needed(s.request.request_id, s.num_new_tokens)
-        return total
+    @staticmethod
+    def _items(plan: list[ScheduledRequest]) -> list[tuple[str, int]]:
+        return [(s.request.request_id, s.num_new_tokens) for s in plan]
 
     def _start_running(self, req: Request) -> None:
         if req.num_preemptions:
