@@ -73,13 +73,32 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+_FP8_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp8_table(device: torch.device) -> torch.Tensor:
+    """The 256 e4m3 values as float32. A gather from it is ~5x faster on CPU than torch's
+    float8 -> float32 conversion, and gives the same values."""
+    t = _FP8_TABLES.get(device)
+    if t is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        t = _FP8_TABLES[device] = codes.view(torch.float8_e4m3fn).to(torch.float32).to(device)
+    return t
+
+
 def dequantize(
     codes: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """codes [..., D], scales [...] -> values [..., D] in ``dtype`` (computed in float32)."""
     if fmt == "fp8":
-        codes = codes.view(torch.float8_e4m3fn)
-    out = codes.to(torch.float32) * scales.to(torch.float32).unsqueeze(-1)
+        if codes.device.type == "cpu":
+            idx = codes.reshape(-1).to(torch.int32)
+            values = _fp8_table(codes.device).index_select(0, idx).view(codes.shape)
+        else:
+            values = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    else:
+        values = codes.to(torch.float32)
+    out = values * scales.to(torch.float32).unsqueeze(-1)
     return out if dtype == torch.float32 else out.to(dtype)
 
 
@@ -205,7 +224,9 @@ class OverlaySlots:
 
     @property
     def num_used(self) -> int:
-        return len(self.states)
+        """Slots held by live requests (without releasing the others: the ledger may be read
+        from another thread than the one stepping the engine)."""
+        return sum(1 for rid, st in list(self.states.items()) if not self._gone(rid, st.req))
 
     @property
     def sink_cache_bytes(self) -> int:
@@ -214,9 +235,11 @@ class OverlaySlots:
     def sweep(self) -> None:
         """Release the slots of finished requests (and of requests that left without a trace)."""
         for rid, st in list(self.states.items()):
-            r = st.req
-            if r.is_finished or (rid not in self.kv.requests and not r.num_preemptions):
+            if self._gone(rid, st.req):
                 self._release(rid)
+
+    def _gone(self, rid: str, req: Any) -> bool:
+        return req.is_finished or (rid not in self.kv.requests and not req.num_preemptions)
 
     def _release(self, rid: str) -> None:
         st = self.states.pop(rid)

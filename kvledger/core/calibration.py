@@ -70,8 +70,6 @@ def measure_swap_bandwidth(engine: LLMEngine, num_blocks: int = 64, repeats: int
     t_in = _timed(lambda: host.swap_in(pairs), repeats)
     t_fixed = _timed(lambda: (host.swap_out(pairs[:1]), host.swap_in(pairs[:1])), repeats)
     nbytes = n * engine.kv.bytes_per_block
-    engine.kv_pool.data.zero_()  # leave the pool as we found it
-    host.data.zero_()
     bw = 2 * nbytes / max(t_out + t_in - t_fixed, 1e-9)
     engine.cost_model.swap_fixed_s = t_fixed
     return bw

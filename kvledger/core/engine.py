@@ -395,7 +395,6 @@ class LLMEngine:
         snap.overlay_bytes = self.kv_pool.overlay_bytes
         ov = self.runner.overlay
         if ov is not None:
-            ov.sweep()
             snap.overlay_slots_used = ov.num_used
             snap.sink_cache_entries = len(ov.sink_cache)
             snap.sink_cache_bytes = ov.sink_cache_bytes

@@ -8,8 +8,10 @@ format is another class with the same ``write``/``read``/``storage`` interface.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -57,6 +59,17 @@ def _pairs_to_index(pairs: list[tuple[int, int]], src_device, dst_device):
     return src, dst
 
 
+def lazy_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_memory: bool = False
+) -> torch.Tensor:
+    """Zeros; on the CPU from calloc'd pages that stay unmapped until first written, so the
+    process's resident memory grows with the blocks actually used, not the pool's size."""
+    if device.type == "cpu" and not pin_memory:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+
+
 class KVCachePool:
     """All layers' paged KV cache, preallocated once (zeros: unwritten slots stay finite, so masked reads are safe).
 
@@ -95,11 +108,11 @@ class KVCachePool:
         self.overlay_slots = 0
         if kv_cache_dtype == "auto":
             # One allocation for the whole cache, so its size is one number the ledger can check.
-            self.data = torch.zeros(
+            self.data = lazy_zeros(
                 (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
-                dtype=dtype,
-                device=self.device,
-                pin_memory=pin_memory,
+                dtype,
+                self.device,
+                pin_memory,
             )
             self.layers: list[LayerKVCache] = [PagedKVCache(self.data[i]) for i in range(num_layers)]
             return
@@ -108,7 +121,7 @@ class KVCachePool:
         k_fmt, v_fmt = kv_quant.KV_FORMATS[kv_cache_dtype]
         lay = kv_quant.layout_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # Still one allocation (codes and scales are views of it), so data.zero_() resets it all.
-        self.data = torch.zeros(lay["total"], dtype=torch.uint8, device=self.device, pin_memory=pin_memory)
+        self.data = lazy_zeros((lay["total"],), torch.uint8, self.device, pin_memory)
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
 
         def region(name: str, dt: torch.dtype) -> torch.Tensor:
