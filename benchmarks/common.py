@@ -186,6 +186,45 @@ def workload_summary(workload: list[dict[str, Any]]) -> str:
     )
 
 
+_LOCKS: list[Any] = []  # open lock files, held for the life of the process
+
+
+def claim_out_dir(out_dir: str | Path) -> Path:
+    """Take an exclusive lock on a results folder, or exit if another run holds it.
+
+    Two runs writing the same folder clobber each other's workload/result/log files (and
+    their timings collide on the CPU), so the second one stops at once.
+    """
+    import fcntl
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    f = open(out / ".lock", "a+")  # kept open: the lock lives as long as the process
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        raise SystemExit(
+            f"{out} is in use by another benchmark run (pid {f.read().strip() or '?'}); "
+            "wait for it or pass --out-dir"
+        ) from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    _LOCKS.append(f)
+    return out
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so ``finally`` blocks clean up child engines."""
+    import signal
+
+    def _raise(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
 def save_json(obj: Any, path: str | Path) -> None:
     """Write JSON, creating parent folders."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -424,13 +463,30 @@ def cpu_ms_per_token(r: dict[str, Any]) -> float | None:
     return 1000 * own / toks if own is not None and toks else None
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill a child started with ``start_new_session=True`` and everything in its group.
+
+    vLLM's EngineCore and worker processes outlive a killed runner otherwise.
+    """
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
 def run_engine_subprocess(module: str, args: list[str], result_json: Path) -> dict[str, Any]:
     """Run ``python -m module args`` from the repo root (fresh process, clean RSS); load JSON."""
     cmd = [sys.executable, "-m", module, *args, "--result-json", str(result_json)]
     print(f"\n$ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT)
-    with ProcTreeRSSPoller(proc.pid) as poll:
-        rc = proc.wait()
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, start_new_session=True)
+    try:
+        with ProcTreeRSSPoller(proc.pid) as poll:
+            rc = proc.wait()
+    finally:
+        kill_group(proc)
     if rc != 0:
         raise RuntimeError(f"{module} exited with {rc}")
     res = json.loads(Path(result_json).read_text())

@@ -25,8 +25,10 @@ from pathlib import Path
 
 from benchmarks.common import (
     BENCH_OUT,
+    claim_out_dir,
     ensure_model,
     exactness_report,
+    exit_on_sigterm,
     hf_references,
     make_workload,
     model_num_params,
@@ -67,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    claim_out_dir(a.out_dir)
+    exit_on_sigterm()
     import torch  # only so the header shows torch's version and threads
 
     if a.threads:

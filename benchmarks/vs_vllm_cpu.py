@@ -30,10 +30,13 @@ from benchmarks.common import (
     BENCH_OUT,
     REPO_ROOT,
     ProcTreeRSSPoller,
+    claim_out_dir,
     compare_tokens,
     ensure_model,
     exactness_report,
+    exit_on_sigterm,
     hf_references,
+    kill_group,
     kv_bytes_per_token,
     make_workload,
     model_num_params,
@@ -111,13 +114,16 @@ def run_vllm(a: argparse.Namespace, model: Path, wl_path: Path, fingerprint: dic
     if out.exists():
         out.unlink()
     with open(log, "w") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-        with ProcTreeRSSPoller(proc.pid) as poll:
-            try:
+        proc = subprocess.Popen(
+            cmd, stdout=lf, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True
+        )
+        try:
+            with ProcTreeRSSPoller(proc.pid) as poll:
                 rc = proc.wait(timeout=a.vllm_timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = "timeout"
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        finally:
+            kill_group(proc)  # the runner exits with os._exit; reap EngineCore/worker too
     if rc != 0 or not out.exists():
         tail = "\n".join(log.read_text().splitlines()[-25:])
         raise RuntimeError(f"vllm_runner exited with {rc}; last log lines:\n{tail}")
@@ -130,6 +136,8 @@ def run_vllm(a: argparse.Namespace, model: Path, wl_path: Path, fingerprint: dic
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    claim_out_dir(a.out_dir)
+    exit_on_sigterm()
     import torch  # only so the header shows torch's version and threads
 
     torch.set_num_threads(a.threads)

@@ -58,7 +58,7 @@ def measure_prefill(engine: LLMEngine, lengths: list[int], repeats: int = 2) -> 
     return out
 
 
-def measure_swap_bandwidth(engine: LLMEngine, num_blocks: int = 64, repeats: int = 3) -> float | None:
+def measure_swap_bandwidth(engine: LLMEngine, num_blocks: int = 32, repeats: int = 3) -> float | None:
     """Bytes per second of one batched block copy each way (device <-> host)."""
     host = engine.host_pool
     if host is None:
@@ -89,11 +89,11 @@ def fit_prefill(lengths: list[int], seconds: list[float]) -> tuple[float, float,
     return float(coef[0]), float(coef[1]), float(coef[2])
 
 
-def calibrate_cost_model(engine: LLMEngine, max_len: int = 512) -> None:
+def calibrate_cost_model(engine: LLMEngine, max_len: int = 256) -> None:
     """Fill the engine's cost model from measurements (about a second on small models)."""
     t0 = time.perf_counter()
     cap = min(max_len, engine.max_model_len - 1, engine.kv.pool.num_blocks * engine.kv.block_size)
-    lengths = sorted({n for n in (16, 64, 192, cap) if 0 < n <= cap})
+    lengths = sorted({n for n in (16, 64, 256) if 0 < n <= cap} | {min(cap, 256)})
     seconds = measure_prefill(engine, lengths)
     cm = engine.cost_model
     if len(seconds) >= 2:

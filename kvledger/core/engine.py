@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
@@ -48,12 +49,16 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.device = torch.device(config.device)
+        # The tokenizer loads (transformers import included) in a thread while the weights
+        # load and the cost model calibrates; the constructor joins it before returning.
+        self._tokenizer_job = ThreadPoolExecutor(1, thread_name_prefix="kvledger-tok").submit(
+            _maybe_tokenizer, config.tokenizer or config.model
+        )
         loaded = load_model(config.model, dtype=config.dtype, device=config.device)
         self.model = loaded.model
         self.model_dtype = loaded.dtype
         self.hf_config = loaded.hf_config
         self.eos_token_ids = tuple(loaded.eos_token_ids)
-        self.tokenizer = _maybe_tokenizer(config.tokenizer or config.model)
         self.vocab_size = int(self.hf_config["vocab_size"])
         sc, cc = config.scheduler, config.cache
         if sc.max_model_len is None:
@@ -121,6 +126,7 @@ class LLMEngine:
         self.swap_stats = {"out_blocks": 0, "in_blocks": 0, "out_s": 0.0, "in_s": 0.0}
         self.num_generated_tokens = 0
         self.stream_outputs = False  # True: step() reports every updated request (servers)
+        self.tokenizer = self._tokenizer_job.result()  # raises the tokenizer's error, if any
 
     # -- sizing -------------------------------------------------------------------------------
     def _plan_overlay(self, kv_dtype: str) -> tuple[int, int]:
