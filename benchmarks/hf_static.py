@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--result-json", type=Path)
+    ap.add_argument("--quiet", action="store_true", help="no table (the caller prints one)")
     a = ap.parse_args(argv)
 
     path = a.model or ensure_model(a.preset)
@@ -218,6 +219,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         wl = make_workload(n=a.num_requests, seed=a.seed)
     res = run_hf_static(path, wl, batch_size=a.batch_size, threads=a.threads)
+    if a.result_json:
+        save_json(res, a.result_json)
+    if a.quiet:
+        return
     print_header("HF generate, static batches")
     print(f"model   : {path}\nworkload: {workload_summary(wl)}")
     print(
@@ -225,8 +230,6 @@ def main(argv: list[str] | None = None) -> None:
         f"(waste {res['waste_frac']:.0%})"
     )
     print_result_table([res])
-    if a.result_json:
-        save_json(res, a.result_json)
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results["hf"] = run_engine_subprocess(
                 "benchmarks.hf_static",
-                [*common_args, "--batch-size", str(a.batch_size)],
+                [*common_args, "--batch-size", str(a.batch_size), "--quiet"],
                 hf_json,
             )
             results["hf"]["fingerprint"] = fingerprint

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 ruff check kvledger tests benchmarks
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -p no:cacheprovider "$@"
