@@ -97,3 +97,24 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(stories_path):
     assert batch[1].outputs[0].token_ids == alone
     other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=99, max_tokens=40, ignore_eos=True)
     assert llm.generate(["Once upon a time"], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_exact_on_a_random_gqa_model(tmp_path, mode):
+    """The same guarantee on a random-weight GQA Llama (4 query / 2 KV heads)."""
+    from tests.model_factory import build_hf_model, tiny_config
+
+    build_hf_model(tiny_config("llama_gqa"), tmp_path)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 97) for _ in range(rng.randint(2, 40))] for _ in range(24)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 40), ignore_eos=True) for _ in prompts]
+    ample = LLM(str(tmp_path), block_size=4, calibrate_preemption=False)
+    ref = [o.outputs[0].token_ids for o in ample.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(str(tmp_path), block_size=4, num_kv_blocks=24, preemption_mode=mode,
+                calibrate_preemption=False)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    snap = tight.ledger()
+    assert snap.preemptions[mode] > 0
+    assert sum(o.metrics.num_preemptions > 0 for o in outs) >= len(outs) // 3
+    assert snap.used_blocks == 0 and snap.swapped_blocks == 0
