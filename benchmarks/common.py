@@ -576,3 +576,16 @@ def workload_sha(workload: list[dict[str, Any]]) -> str:
     import hashlib
 
     return hashlib.sha256(json.dumps(workload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_kvledger(base_args: list[str], a: Any, result_json: Path) -> dict[str, Any]:
+    """kvledger_runner in a fresh process with the engine flags both comparisons share."""
+    args = list(base_args)
+    for flag, v in (
+        ("--block-size", a.block_size),
+        ("--num-kv-blocks", a.num_kv_blocks),
+        ("--max-num-batched-tokens", a.max_num_batched_tokens),
+    ):
+        if v is not None:
+            args += [flag, str(v)]
+    return run_engine_subprocess("benchmarks.kvledger_runner", args, result_json)

@@ -37,6 +37,7 @@ from benchmarks.common import (
     print_ratio,
     print_result_table,
     run_engine_subprocess,
+    run_kvledger,
     save_json,
     workload_sha,
     workload_summary,
@@ -107,17 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             failures["hf"] = str(e)
     if a.only in (None, "kvledger"):
         kv_args = list(common_args)
-        for flag, v in (
-            ("--block-size", a.block_size),
-            ("--num-kv-blocks", a.num_kv_blocks),
-            ("--max-num-batched-tokens", a.max_num_batched_tokens),
-        ):
-            if v is not None:
-                kv_args += [flag, str(v)]
         try:
-            results["kvledger"] = run_engine_subprocess(
-                "benchmarks.kvledger_runner", kv_args, a.out_dir / "kvledger.json"
-            )
+            results["kvledger"] = run_kvledger(kv_args, a, a.out_dir / "kvledger.json")
         except RuntimeError as e:
             failures["kvledger"] = str(e)
 

@@ -44,7 +44,7 @@ from benchmarks.common import (
     print_header,
     print_ratio,
     print_result_table,
-    run_engine_subprocess,
+    run_kvledger,
     save_json,
     workload_sha,
     workload_summary,
@@ -167,17 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if a.only in (None, "kvledger"):
         kv_args = ["--model", str(model), "--workload", str(wl_path), "--threads", str(a.threads)]
-        for flag, v in (
-            ("--block-size", a.block_size),
-            ("--num-kv-blocks", a.num_kv_blocks),
-            ("--max-num-batched-tokens", a.max_num_batched_tokens),
-        ):
-            if v is not None:
-                kv_args += [flag, str(v)]
         try:
-            results["kvledger"] = run_engine_subprocess(
-                "benchmarks.kvledger_runner", kv_args, a.out_dir / "kvledger.json"
-            )
+            results["kvledger"] = run_kvledger(kv_args, a, a.out_dir / "kvledger.json")
         except RuntimeError as e:
             failures["kvledger"] = str(e)
         if a.only == "kvledger" and a.reuse_vllm and (a.out_dir / "vllm.json").exists():

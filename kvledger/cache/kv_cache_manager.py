@@ -359,6 +359,29 @@ class KVCacheManager:
         self.pool.free([d for d, _ in reversed(pairs)])
         return pairs
 
+    def swap_in_blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
+        """Free blocks to swap a request back in and give it ``num_new_tokens`` more slots:
+        its host blocks, new blocks, and a COW copy if its partial block is shared."""
+        req = self._get(request_id)
+        need = len(req.host_blocks)
+        need += max(0, cdiv(req.num_tokens + num_new_tokens, self.block_size) - len(req.block_table))
+        if num_new_tokens > 0 and self._needs_cow(req):
+            need += 1
+        return need
+
+    def preemption_footprint(self, request_id: str) -> tuple[int, int]:
+        """(private blocks a swap would move, leading blocks other requests also hold).
+
+        The second is what a recompute can count on finding again in the prefix cache.
+        """
+        req = self._get(request_id)
+        shared_prefix = 0
+        for b in req.block_table:
+            if b < 0 or self.pool.blocks[b].ref_cnt < 2:
+                break
+            shared_prefix += 1
+        return len(self._private_blocks(req)), shared_prefix
+
     def can_swap_in(self, request_id: str) -> bool:
         return len(self._get(request_id).host_blocks) <= self.num_free_blocks
 

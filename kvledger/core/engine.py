@@ -159,11 +159,11 @@ class LLMEngine:
         budget -= reserved
         useful = sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size)
         num_blocks = min(budget // bytes_per_block, useful)
-        if num_blocks < cdiv(self.max_model_len, cc.block_size) and num_blocks < 1:
+        if num_blocks < 1:
             raise ConfigError(
                 f"KV memory budget of {budget} bytes holds no block of {bytes_per_block} bytes"
             )
-        return max(1, num_blocks)
+        return num_blocks
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -256,7 +256,7 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
-        ro = self.runner.execute(so) if (so.scheduled or so.blocks_to_copy or so.blocks_to_swap_out or so.blocks_to_swap_in) else RunnerOutput()
+        ro = self.runner.execute(so)
         self._account_swaps(so, ro)
         now = time.monotonic()
         touched: set[str] = set()

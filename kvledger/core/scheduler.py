@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv
+from kvledger.cache.kv_cache_manager import KVCacheManager
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel, select_victim
 from kvledger.core.request import Request, RequestStatus
@@ -184,7 +184,8 @@ class Scheduler:
         ):
             req = self.swapped[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._swap_in_blocks_needed(req, n) + self._readmit_headroom() > self.kv.num_free_blocks:
+            need = self.kv.swap_in_blocks_needed(req.request_id, n)
+            if need + self._readmit_headroom() > self.kv.num_free_blocks:
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.kv.swap_in(req.request_id))
@@ -248,18 +249,6 @@ class Scheduler:
         """
         return len(self.running)
 
-    def _swap_in_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
-        """Host blocks coming back, plus new blocks (and a COW copy) for the next tokens."""
-        entry = self.kv.requests[req.request_id]
-        bs = self.kv.block_size
-        c = req.num_computed_tokens
-        need = len(entry.host_blocks) + max(0, cdiv(c + num_new_tokens, bs) - len(entry.block_table))
-        if c % bs:
-            last = entry.block_table[(c - 1) // bs]
-            if last >= 0 and self.kv.pool.blocks[last].ref_cnt > 1:
-                need += 1  # the shared partial block stayed resident; writing it copies it
-        return need
-
     def update_after_step(self, so: SchedulerOutput, now: float) -> list[Request]:
         """Account the step's computed tokens; return the requests now due a sampled token.
 
@@ -313,14 +302,9 @@ class Scheduler:
         kv = self.kv
         if kv.host_pool is None:
             return "recompute"
-        table = kv.requests[victim.request_id]
-        swap_bytes = len(kv._private_blocks(table)) * kv.bytes_per_block
+        private, shared_prefix = kv.preemption_footprint(victim.request_id)
+        swap_bytes = private * kv.bytes_per_block
         # Only blocks other requests hold are sure to survive for a recompute to reuse.
-        shared_prefix = 0
-        for b in table.block_table:
-            if b < 0 or kv.pool.blocks[b].ref_cnt < 2:
-                break
-            shared_prefix += 1
         cached = min(shared_prefix * kv.block_size, victim.num_computed_tokens)
         return self.cost_model.choose(victim.num_computed_tokens, swap_bytes, cached)
 
