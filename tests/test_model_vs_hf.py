@@ -92,7 +92,7 @@ def test_mixed_batch_matches_each_request_alone(kind, batch_decodes, tmp_path, m
     whether the decodes are batched (padded) or attended one by one."""
     limit = float("inf") if batch_decodes else 0.0
     monkeypatch.setattr(torch_backend, "_MAX_DECODE_PADDING", limit)
-    monkeypatch.setattr(torch_backend, "_MAX_BATCHED_CONTEXT", limit)
+    monkeypatch.setattr(torch_backend, "_MAX_GROUP_BYTES", limit)
     build_hf_model(tiny_config(kind), tmp_path)
     loaded = load_model(tmp_path)
     prompts = {"a": _prompt(9, 1), "b": _prompt(14, 2), "c": _prompt(3, 3)}
@@ -112,7 +112,7 @@ def test_mixed_batch_matches_each_request_alone(kind, batch_decodes, tmp_path, m
     drv.step([("a", prompts["a"][:4]), ("b", prompts["b"]), ("c", prompts["c"])])
     mixed = drv.step([("b", [nxt["b"]]), ("a", prompts["a"][4:]), ("c", [nxt["c"]])])
     plan = loaded.model.attn_backend._plan
-    assert (plan.decode is not None) == batch_decodes
+    assert len(plan.decode) == (1 if batch_decodes else 0)
     assert len(plan.chunks) == (1 if batch_decodes else 3)
     torch.testing.assert_close(mixed[0:1], alone["b"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed[1:6], alone["a"], atol=1e-5, rtol=1e-5)

@@ -21,9 +21,32 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN copy of weight, see pack()
+
+    def pack(self) -> None:
+        """Reorder the weight once into oneDNN's blocked layout (CPU, float32).
+
+        Decode steps multiply a handful of rows by every weight, so they stream weights
+        from memory; on the plain row-major layout MKL's small-M GEMM reaches only a fraction
+        of memory bandwidth (3-25 GFLOP/s here), the packed layout 1.5-2.5x that
+        (docs/benchmarks.md, issue 7). Same float32 math, different summation order.
+        """
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def can_pack_linear(dtype: torch.dtype, device: torch.device) -> bool:
+    """oneDNN packing pays on CPU in float32 (bf16/fp16 on AVX2 CPUs would be emulated)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 class Embedding(nn.Module):

@@ -155,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
             device=rope_device,
         )
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
+        self.__dict__["tied_head"] = None  # packed copy of a tied LM head, see pack_linears()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -179,5 +180,21 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] → float32 logits [N, vocab]; pass only the rows that need logits."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        if head is not None:
+            return head(hidden_states).float()
+        return F.linear(hidden_states, self.model.embed_tokens.weight).float()
+
+    def pack_linears(self) -> None:
+        """Pack every matmul weight for oneDNN (see Linear.pack); a tied LM head gets its own
+        packed copy, the embedding keeps the plain one for lookups."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            head = Linear.__new__(Linear)
+            nn.Module.__init__(head)
+            head.weight, head.bias = self.model.embed_tokens.weight, None
+            head.pack()
+            # Not registered as a submodule: the tied weight must not appear twice in state_dict.
+            self.__dict__["tied_head"] = head

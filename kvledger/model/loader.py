@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from kvledger.errors import ConfigError, UnsupportedArchitectureError
+from kvledger.model.layers import can_pack_linear
 from kvledger.model.llama import LlamaForCausalLM, ModelConfig
 
 SUPPORTED_ARCHITECTURES = (
@@ -253,9 +254,11 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
+    pack_linear: bool = True,
 ) -> LoadedModel:
     """Load an HF Llama-family folder. max_model_len caps the context (and the RoPE table);
-    by default it is the model's limit (max_position_embeddings, or a sliding window if smaller)."""
+    by default it is the model's limit (max_position_embeddings, or a sliding window if smaller).
+    pack_linear: on CPU in float32, pack matmul weights for oneDNN (Linear.pack)."""
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"model folder {path} does not exist")
@@ -280,6 +283,8 @@ def load_model(
         model = LlamaForCausalLM(cfg, max_positions=max_model_len, rope_device=device)
     load_weights(model, path, torch_dtype, device)
     model.eval()
+    if pack_linear and can_pack_linear(torch_dtype, device):
+        model.pack_linears()
     return LoadedModel(
         model=model,
         hf_config=hf_config,

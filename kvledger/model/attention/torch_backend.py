@@ -1,8 +1,8 @@
 """PyTorch reference attention over the paged cache (CPU first; runs anywhere torch does).
 
 Correctness first: each request reads back only its own blocks, and queries of a chunk sit at
-positions seq_len - query_len + i. Single-token decodes of many requests are batched into one
-masked SDPA call, because a Python loop costs more than the attention itself on small models.
+positions seq_len - query_len + i. Single-token decodes of many requests are batched into a few
+masked SDPA calls (grouped by context length), because a Python loop costs more than the attention itself on small models.
 
 Quantised caches (``layer_cache.quantized``): every key is read back dequantised from the blocks
 of the requests in the step (never the whole cache), including the step's own tokens, and the
@@ -24,13 +24,14 @@ import torch.nn.functional as F
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.kv_cache import LayerKVCache
 
-# Batching decodes saves the per-request op overhead (tens of microseconds per request and
-# layer) but gathers every request's context padded to the longest one, through a masked SDPA.
-# Measured on CPU (1 thread, stories260k up to 128-dim heads): the batch wins while each
-# request's padded context is small (<= 32K elements of K) and loses to the loop above that,
-# so batch only while the padding stays under 2x and the padded context under 32K elements.
-_MAX_DECODE_PADDING = 2.0
-_MAX_BATCHED_CONTEXT = 32768
+# Batching decodes saves the per-request op overhead (~100 us per request and layer on these
+# CPUs) but gathers each request's context padded to the longest in its batch, through a
+# masked SDPA. Decodes are sorted by context length and cut into groups: a group grows while
+# its padded context stays within _MAX_DECODE_PADDING x the real one and its gathered K + V
+# within _MAX_GROUP_BYTES (past a few MiB the gathered copies fall out of cache and one big
+# batch ran slower than the per-request loop; measured on bench-60m, docs/benchmarks.md).
+_MAX_DECODE_PADDING = 1.5
+_MAX_GROUP_BYTES = 4 << 20
 
 
 @dataclass
@@ -85,7 +86,7 @@ class _DecodeBatch:
 @dataclass
 class _Plan:
     chunks: list[_Chunk]
-    decode: _DecodeBatch | None
+    decode: list[_DecodeBatch]
     # Quantised caches: this step's rows to keep in the full-precision overlay (after attention).
     overlay_src: torch.Tensor | None = None
     overlay_dst: torch.Tensor | None = None
@@ -101,7 +102,7 @@ class _Quant:
 
 
 class TorchAttentionBackend:
-    """Reference backend: per-request SDPA for prefill chunks, one batched SDPA for decodes."""
+    """Reference backend: per-request SDPA for prefill chunks, grouped padded SDPA for decodes."""
 
     def __init__(self) -> None:
         # Per-step plan, built by the first layer and reused by the others (same metadata object).
@@ -120,7 +121,7 @@ class TorchAttentionBackend:
         layer_cache.write(k, v, meta.slot_mapping)
         plan = self._get_plan(meta, q.dtype, k.shape[1] * k.shape[2], layer_cache)
         num_tokens, num_heads, head_dim = q.shape
-        if len(plan.chunks) == 1 and plan.decode is None and plan.chunks[0].end == num_tokens:
+        if len(plan.chunks) == 1 and not plan.decode and plan.chunks[0].end == num_tokens:
             # A lone request (the common prefill and single-stream decode): no scatter needed.
             out = self._attend_chunk(q, k, v, layer_cache, plan.chunks[0], scale)
             if plan.overlay_dst is not None:
@@ -129,10 +130,9 @@ class TorchAttentionBackend:
         out = q.new_empty(num_tokens, num_heads * head_dim)
         for c in plan.chunks:
             out[c.start : c.end] = self._attend_chunk(q, k, v, layer_cache, c, scale)
-        if plan.decode is not None:
-            d = plan.decode
+        num_kv_heads = k.shape[1]
+        for d in plan.decode:
             bsz = d.rows.shape[0]
-            num_kv_heads = k.shape[1]
             kc, vc = layer_cache.read(d.block_tables)  # [B, nb, bs, K, D]
             if d.fix is not None:
                 shape = kc.shape
@@ -210,7 +210,7 @@ class TorchAttentionBackend:
 def _build_plan(
     meta: AttentionMetadata, dtype: torch.dtype, kv_width: int, quant: _Quant | None = None
 ) -> _Plan:
-    """Split the step into per-request chunks and (when it pays) one batch of decodes."""
+    """Split the step into per-request chunks and padded batches of decodes (_decode_groups)."""
     device = meta.slot_mapping.device
     bs = meta.block_size
     starts: list[int] = []
@@ -219,23 +219,15 @@ def _build_plan(
         starts.append(pos)
         pos += n
 
-    decode_reqs = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
-    batch_decodes = False
-    if len(decode_reqs) >= 2:
-        max_seq = max(meta.seq_lens_list[i] for i in decode_reqs)
-        padded_len = -(-max_seq // bs) * bs
-        real = sum(meta.seq_lens_list[i] for i in decode_reqs)
-        batch_decodes = (
-            len(decode_reqs) * padded_len <= _MAX_DECODE_PADDING * real
-            and padded_len * kv_width <= _MAX_BATCHED_CONTEXT
-        )
+    groups = _decode_groups(meta, kv_width * dtype.itemsize * 2)
+    batched = {i for g in groups for i in g}
     overlay = quant is not None and quant.overlay
 
     chunks: list[_Chunk] = []
     for i, (query_len, seq_len) in enumerate(
         zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
     ):
-        if query_len == 0 or (batch_decodes and query_len == 1):
+        if query_len == 0 or i in batched:
             continue
         start = starts[i]
         if seq_len == query_len and quant is None:
@@ -260,28 +252,63 @@ def _build_plan(
             )
         )
 
-    decode = None
-    if batch_decodes:
-        idx = torch.tensor(decode_reqs, dtype=torch.int64, device=device)
-        max_blocks = -(-max(meta.seq_lens_list[i] for i in decode_reqs) // bs)
-        rows = torch.tensor([starts[i] for i in decode_reqs], dtype=torch.int64, device=device)
-        block_tables = meta.block_tables.index_select(0, idx)[:, :max_blocks]
-        seq_lens = meta.seq_lens.index_select(0, idx)
-        valid = torch.arange(max_blocks * bs, device=device)[None, :] < seq_lens[:, None]
-        mask = torch.zeros(valid.shape, dtype=dtype, device=device)
-        mask.masked_fill_(~valid, float("-inf"))
-        fix = None
-        if overlay:
-            seg = _Segments(device)
-            for b, i in enumerate(decode_reqs):
-                _chunk_overlay(seg, meta, quant, i, starts[i], 1, meta.seq_lens_list[i], b * max_blocks * bs)
-            fix = seg.to_fix()
-        decode = _DecodeBatch(rows, block_tables, mask[:, None, None, :], fix)
-
+    decode = [_decode_batch(meta, g, starts, dtype, quant if overlay else None) for g in groups]
     plan = _Plan(chunks, decode)
     if overlay:
         plan.overlay_src, plan.overlay_dst = _overlay_writes(meta, quant, starts, device)
     return plan
+
+
+def _decode_groups(meta: AttentionMetadata, bytes_per_token: int) -> list[list[int]]:
+    """Single-token queries cut into padded batches (see _MAX_DECODE_PADDING); a request left
+    alone in its group is attended on its own (no padding, no mask)."""
+    bs = meta.block_size
+    seq_lens = meta.seq_lens_list
+    decodes = sorted(
+        (i for i, n in enumerate(meta.query_lens_list) if n == 1), key=seq_lens.__getitem__
+    )
+    groups: list[list[int]] = []
+    group: list[int] = []
+    real = 0
+    for i in decodes:  # ascending: the newest member sets the padded length
+        padded = -(-seq_lens[i] // bs) * bs
+        n = len(group) + 1
+        if group and (
+            n * padded > _MAX_DECODE_PADDING * (real + seq_lens[i])
+            or n * padded * bytes_per_token > _MAX_GROUP_BYTES
+        ):
+            groups.append(group)
+            group, real = [], 0
+        group.append(i)
+        real += seq_lens[i]
+    groups.append(group)
+    return [g for g in groups if len(g) > 1]
+
+
+def _decode_batch(
+    meta: AttentionMetadata,
+    group: list[int],
+    starts: list[int],
+    dtype: torch.dtype,
+    quant: _Quant | None,
+) -> _DecodeBatch:
+    device = meta.slot_mapping.device
+    bs = meta.block_size
+    max_blocks = -(-max(meta.seq_lens_list[i] for i in group) // bs)
+    idx = torch.tensor(group, dtype=torch.int64, device=device)
+    rows = torch.tensor([starts[i] for i in group], dtype=torch.int64, device=device)
+    block_tables = meta.block_tables.index_select(0, idx)[:, :max_blocks]
+    seq_lens = meta.seq_lens.index_select(0, idx)
+    valid = torch.arange(max_blocks * bs, device=device)[None, :] < seq_lens[:, None]
+    mask = torch.zeros(valid.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~valid, float("-inf"))
+    fix = None
+    if quant is not None:
+        seg = _Segments(device)
+        for b, i in enumerate(group):
+            _chunk_overlay(seg, meta, quant, i, starts[i], 1, meta.seq_lens_list[i], b * max_blocks * bs)
+        fix = seg.to_fix()
+    return _DecodeBatch(rows, block_tables, mask[:, None, None, :], fix)
 
 
 class _Segments:
