@@ -38,20 +38,30 @@ def one_size(n: int, context: int, steps: int, block_size: int = 16) -> dict:
         sched.add_request(Request(str(i), [3 + (i * 7919 + p) % 30000 for p in range(context)], sp,
                                   max_total_tokens=context + steps + 64))
 
+    phases: list[tuple[float, float, float]] = []
+
     def step() -> float:
         t0 = time.perf_counter()
         so = sched.schedule()
+        t1 = time.perf_counter()
         runner.prepare(so)
+        t2 = time.perf_counter()
         for req in sched.update_after_step(so, 0.0):
             req.append_output_token(7)
-        return time.perf_counter() - t0
+        t3 = time.perf_counter()
+        phases.append((t1 - t0, t2 - t1, t3 - t2))
+        return t3 - t0
 
     while any(r.num_output_tokens == 0 for r in sched.requests.values()):
         step()  # prefill everything first
+    phases.clear()
     times = [step() for _ in range(steps)]
     assert all(len(s.request.output_token_ids) > 1 for s in sched.schedule().scheduled)
+    split = [1e3 * statistics.median(p[i] for p in phases) for i in range(3)]
     return {"running": n, "context": context, "p50_ms": 1e3 * statistics.median(times),
-            "mean_ms": 1e3 * statistics.fmean(times), "max_ms": 1e3 * max(times)}
+            "min_ms": 1e3 * min(times), "mean_ms": 1e3 * statistics.fmean(times),
+            "max_ms": 1e3 * max(times), "schedule_ms": split[0], "prepare_ms": split[1],
+            "update_ms": split[2]}
 
 
 def main() -> int:
@@ -62,10 +72,12 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print("command:", " ".join(sys.argv))
-    print(f"{'running':>8} {'context':>8} {'p50 ms/step':>12} {'mean':>8} {'max':>8}")
+    print(f"{'running':>8} {'context':>8} {'p50 ms/step':>12} {'min':>8} {'mean':>8} {'max':>8}"
+          f" | p50 of schedule / prepare / update")
     for n in map(int, args.sizes.split(",")):
         r = one_size(n, args.context, args.steps)
-        print(f"{r['running']:>8} {r['context']:>8} {r['p50_ms']:>12.3f} {r['mean_ms']:>8.3f} {r['max_ms']:>8.3f}")
+        print(f"{r['running']:>8} {r['context']:>8} {r['p50_ms']:>12.3f} {r['min_ms']:>8.3f} {r['mean_ms']:>8.3f}"
+              f" {r['max_ms']:>8.3f} | {r['schedule_ms']:.3f} / {r['prepare_ms']:.3f} / {r['update_ms']:.3f}")
     return 0
 
 

@@ -242,9 +242,13 @@ class KVCacheManager:
                     total += 1  # copy-on-write of the shared partial block
         return total
 
-    def allocate_many(self, items: list[tuple[str, int]]) -> bool:
-        """``allocate_slots`` for many running requests, all or nothing."""
-        if self.blocks_needed_total(items) > self.num_free_blocks:
+    def allocate_many(self, items: list[tuple[str, int]], checked: bool = False) -> bool:
+        """``allocate_slots`` for many running requests, all or nothing.
+
+        ``checked``: the caller has just compared ``blocks_needed_total(items)`` with the free
+        blocks (the scheduler does, to pick victims), so the batch is known to fit.
+        """
+        if not checked and self.blocks_needed_total(items) > self.num_free_blocks:
             return False
         bs = self.block_size
         reqs, blocks = self.requests, self.pool.blocks
@@ -258,6 +262,19 @@ class KVCacheManager:
                     continue
             self.allocate_slots(rid, n)
         return True
+
+    def cache_computed_blocks(self, scheduled) -> None:
+        """``cache_blocks`` for a step's requests (objects with ``.request``): the per-step
+        hot path, which skips in line the requests that filled no new block."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        reqs = self.requests
+        for s in scheduled:
+            req = s.request
+            rid = req.request_id
+            if req.num_computed_tokens // bs > len(reqs[rid].block_hashes):
+                self.cache_blocks(rid, req.all_token_ids, req.num_computed_tokens)
 
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Publish the request's blocks that became full (and computed) under their hashes."""
@@ -303,6 +320,7 @@ class KVCacheManager:
         """Return every block of the request, tail first (so the tail is evicted first)."""
         req = self._get(request_id)
         del self.requests[request_id]
+        self.block_table_array[req.row, : len(req.block_table)] = 0  # rows stay zero-padded
         self._free_rows.append(req.row)
         self.pool.free([b for b in reversed(req.block_table) if b >= 0])
         if req.host_blocks:
@@ -316,6 +334,7 @@ class KVCacheManager:
         keep = cdiv(num_tokens, self.block_size)
         if keep < len(req.block_table):
             self.pool.free(list(reversed(req.block_table[keep:])))
+            self.block_table_array[req.row, keep : len(req.block_table)] = 0
             del req.block_table[keep:]
         req.num_tokens = min(req.num_tokens, num_tokens)
         del req.block_hashes[num_tokens // self.block_size :]
@@ -468,8 +487,10 @@ class KVCacheManager:
         host_holders: dict[int, int] = {}
         for req in self.requests.values():
             assert len(req.block_table) == cdiv(req.num_tokens, self.block_size), req
-            row = self.block_table_array[req.row, : len(req.block_table)].tolist()
-            assert row == req.block_table, (row, req.block_table)
+            row = self.block_table_array[req.row].tolist()
+            n = len(req.block_table)
+            assert row[:n] == req.block_table, (row[:n], req.block_table)
+            assert not any(row[n:]), "block-table rows are zero past the table"
             for b in req.block_table:
                 if b >= 0:
                     holders[b] = holders.get(b, 0) + 1

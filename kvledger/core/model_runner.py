@@ -8,6 +8,7 @@ and decodes together, and samples the requests whose next token is due.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -86,43 +87,45 @@ class ModelRunner:
 
     # -- the step ---------------------------------------------------------------------------
     def prepare(self, so: SchedulerOutput) -> StepInputs:
-        """Flatten the step into the model's inputs (no model call: benchmarked on its own)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        starts: list[int] = []
-        rows: list[int] = []  # each request's row in the manager's block-table array
-        nblocks: list[int] = []
-        sample_rows: list[int] = []  # flat row of the last token for requests due a sample
-        sample_reqs: list[Request] = []
-        prompt_rows: list[tuple[Request, int, int, int]] = []  # (req, flat row, count, start)
-        row = 0
+        """Flatten the step into the model's inputs (no model call: benchmarked on its own).
+
+        The per-step hot path: list comprehensions over the batch, no per-request calls.
+        """
+        sched = so.scheduled
+        reqs = [s.request for s in sched]
+        query_lens = [s.num_new_tokens for s in sched]
+        starts = [r.num_computed_tokens for r in reqs]
+        seq_lens = [c + n for c, n in zip(starts, query_lens)]
         kv_tables = self.kv.requests
-        for s in so.scheduled:
-            req = s.request
-            start, n = req.num_computed_tokens, s.num_new_tokens
-            if n == 1:
-                input_ids.append(req.all_token_ids[start])
-            else:
-                input_ids.extend(req.all_token_ids[start : start + n])
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            starts.append(start)
-            entry = kv_tables[req.request_id]
-            rows.append(entry.row)
-            nblocks.append(len(entry.block_table))
-            if start + n == req.num_tokens:
-                sample_rows.append(row + n - 1)
-                sample_reqs.append(req)
-            if req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0:
+        entries = [kv_tables[r.request_id] for r in reqs]
+        rows = [e.row for e in entries]  # each request's row in the manager's block-table array
+        nblocks = [len(e.block_table) for e in entries]
+        decode_only = max(query_lens) == 1
+        if decode_only:  # one token each
+            input_ids = [r.all_token_ids[c] for r, c in zip(reqs, starts)]
+            offsets: list[int] | range = range(len(reqs))  # each request's first flat row
+            last_rows: list[int] | range = offsets
+        else:
+            input_ids = []
+            for r, c, e in zip(reqs, starts, seq_lens):
+                input_ids.extend(r.all_token_ids[c:e])
+            offsets = [0, *itertools.accumulate(query_lens)]
+            last_rows = [x - 1 for x in offsets[1:]]
+        due = [e == len(r.all_token_ids) for r, e in zip(reqs, seq_lens)]
+        sample_rows = [x for x, d in zip(last_rows, due) if d]  # flat row of each due request
+        sample_reqs = [r for r, d in zip(reqs, due) if d]
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # (req, flat row, count, start)
+        for i in [i for i, r in enumerate(reqs) if r.sampling_params.prompt_logprobs is not None]:
+            r, c = reqs[i], starts[i]
+            if r.num_output_tokens == 0:
                 # Row p predicts prompt token p + 1.
-                last = min(start + n, req.num_prompt_tokens - 1)
-                if last > start:
-                    prompt_rows.append((req, row, last - start, start))
-            row += n
-        meta, positions = self._build_metadata(query_lens, seq_lens, starts, rows, nblocks, bs)
-        ids = torch.tensor(input_ids, dtype=torch.long).to(self.device)
+                last = min(c + query_lens[i], r.num_prompt_tokens - 1)
+                if last > c:
+                    prompt_rows.append((r, offsets[i], last - c, c))
+        meta, positions = self._build_metadata(
+            query_lens, seq_lens, starts, rows, nblocks, self.block_size, decode_only
+        )
+        ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(self.device)
         return StepInputs(ids, positions, meta, sample_rows, sample_reqs, prompt_rows)
 
     @torch.inference_mode()
@@ -165,27 +168,34 @@ class ModelRunner:
         rows: list[int],
         nblocks_list: list[int],
         bs: int,
+        decode_only: bool = False,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         dev = self.device
         num_reqs = len(query_lens)
-        # Block tables: one gather from the manager's mirror array; padding set to block 0.
-        nblocks = np.asarray(nblocks_list, dtype=np.int64)
-        max_blocks = int(nblocks.max())
+        # Block tables: one gather from the manager's mirror array, whose rows are zero past
+        # each table (padding reads block 0, masked out by seq_lens).
+        max_blocks = max(nblocks_list)
         block_tables = self.kv.block_table_array[np.asarray(rows), :max_blocks]
-        block_tables[np.arange(max_blocks) >= nblocks[:, None]] = 0
-        ql = np.asarray(query_lens, dtype=np.int64)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(ql, out=qsl[1:])
-        req_idx = np.repeat(np.arange(num_reqs), ql)
-        positions = np.arange(qsl[-1]) - qsl[:-1][req_idx] + np.asarray(starts, dtype=np.int64)[req_idx]
-        slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
+        if decode_only:  # one query row per request, at position start
+            positions = np.asarray(starts, dtype=np.int64)
+            qsl = np.arange(num_reqs + 1, dtype=np.int64)
+            slot_mapping = block_tables[np.arange(num_reqs), positions // bs] * bs + positions % bs
+        else:
+            ql = np.asarray(query_lens, dtype=np.int64)
+            qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+            np.cumsum(ql, out=qsl[1:])
+            req_idx = np.repeat(np.arange(num_reqs), ql)
+            positions = (
+                np.arange(qsl[-1]) - qsl[:-1][req_idx] + np.asarray(starts, dtype=np.int64)[req_idx]
+            )
+            slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            seq_lens=torch.from_numpy(np.asarray(seq_lens, dtype=np.int64)).to(dev),
             block_tables=torch.from_numpy(block_tables).to(dev),
             block_size=bs,
-            max_query_len=int(ql.max()),
+            max_query_len=1 if decode_only else max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,

@@ -141,24 +141,35 @@ class Scheduler:
         bs = self.kv.block_size
 
         # 1. Running requests first: a decode token each, or the next prefill chunk.
+        #    (The per-step hot path: plain attribute reads, no per-request method calls.)
         plan: list[ScheduledRequest] = []
+        items: list[tuple[str, int]] = []  # (request_id, tokens) for the block manager
         total_blocks = self.kv.pool.num_blocks
-        for req in list(self.running):
-            n = req.num_tokens - req.num_computed_tokens
+        ended: list[Request] = []
+        bound = 0  # blocks the plan could need at most: its new blocks plus one COW each
+        for req in self.running:
+            n = len(req.all_token_ids) - req.num_computed_tokens
             if n > budget:
                 n = budget
             if n <= 0:
                 continue
             if (req.num_computed_tokens + n + bs - 1) // bs > total_blocks:
-                # It can never fit, even alone: stop it rather than loop on preemption.
-                self.finish_request(req, "length")
-                out.finished.append(req)
+                ended.append(req)  # it can never fit, even alone: stop it (after the loop)
                 continue
             plan.append(ScheduledRequest(req, n))
+            items.append((req.request_id, n))
             budget -= n
+            bound += n // bs + 2
+        for req in ended:
+            self.finish_request(req, "length")
+            out.finished.append(req)
 
-        # 2. Preempt until the planned tokens' blocks fit.
-        while plan and self.kv.blocks_needed_total(self._items(plan)) > self.kv.num_free_blocks:
+        # 2. Preempt until the planned tokens' blocks fit (exact count only when memory is tight).
+        while (
+            plan
+            and bound > self.kv.num_free_blocks
+            and self.kv.blocks_needed_total(items) > self.kv.num_free_blocks
+        ):
             victim = select_victim(
                 self.running,
                 self.config.victim_policy,
@@ -169,9 +180,10 @@ class Scheduler:
                 if s.request is victim:
                     budget += s.num_new_tokens
                     del plan[i]
+                    del items[i]
                     break
             self._preempt(victim, out)
-        ok = self.kv.allocate_many(self._items(plan))
+        ok = self.kv.allocate_many(items, checked=True)
         assert ok, "blocks were reserved for the running requests"
         out.scheduled.extend(plan)
 
@@ -255,21 +267,15 @@ class Scheduler:
         Shared by the engine and the simulator, so both advance requests identically.
         """
         due = []
-        cache_blocks = self.kv.cache_blocks
         for s in so.scheduled:
             req = s.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            c = req.num_computed_tokens = req.num_computed_tokens + s.num_new_tokens
-            tokens = req.all_token_ids
-            cache_blocks(req.request_id, tokens, c)
-            if c == len(tokens):
+            req.num_computed_tokens += s.num_new_tokens
+            if req.num_computed_tokens == len(req.all_token_ids):
                 due.append(req)
+        self.kv.cache_computed_blocks(so.scheduled)
         return due
-
-    @staticmethod
-    def _items(plan: list[ScheduledRequest]) -> list[tuple[str, int]]:
-        return [(s.request.request_id, s.num_new_tokens) for s in plan]
 
     def _start_running(self, req: Request) -> None:
         if req.num_preemptions:
