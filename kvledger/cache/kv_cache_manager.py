@@ -22,7 +22,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestBlocks:
     block_table: list[int] = field(default_factory=list)  # -1 where the block is on the host
     row: int = -1  # this request's row in the manager's block-table array

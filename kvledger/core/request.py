@@ -23,7 +23,7 @@ class Logprob:
     top: dict[int, float] = field(default_factory=dict)  # top-k alternatives
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

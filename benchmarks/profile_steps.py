@@ -1,0 +1,82 @@
+"""Where kvledger's time goes on the issue-7 workload: per-step timings by kind, optionally
+with the torch profiler's op table. kvledger only (the peer comparison is vs_vllm_cpu.py).
+
+Steps are bucketed as "mixed" (any prefill chunk) or "decode<N>" (pure decode, N = number
+of requests rounded down to a multiple of 8), with count, total seconds and ms per step.
+
+    python -m benchmarks.vs_vllm_cpu --only vllm     # once, writes the model and workload
+    python -m benchmarks.profile_steps               # timings
+    python -m benchmarks.profile_steps --torch-profiler   # + top ops (slower)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import BENCH_OUT
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=BENCH_OUT / "models" / "bench-60m-seed0")
+    ap.add_argument("--workload", type=Path, default=BENCH_OUT / "vs_vllm_cpu" / "workload.json")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--torch-profiler", action="store_true")
+    a = ap.parse_args()
+    if not a.model.is_dir() or not a.workload.is_file():
+        raise SystemExit(f"missing {a.model} or {a.workload}: run benchmarks.vs_vllm_cpu once first")
+    torch.set_num_threads(a.threads)
+    from kvledger import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=str(a.model), dtype="float32", block_size=a.block_size)
+    print(f"start-up {time.perf_counter() - t0:.2f} s")
+    wl = json.loads(a.workload.read_text())
+    prompts = [r["prompt_token_ids"] for r in wl]
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in wl]
+
+    runner = llm.engine.runner
+    execute = runner.execute
+    stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+
+    def timed(so):
+        t = time.perf_counter()
+        out = execute(so)
+        dt = time.perf_counter() - t
+        decode = all(s.num_new_tokens == 1 for s in so.scheduled)
+        kind = f"decode{len(so.scheduled) // 8 * 8:03d}" if decode else "mixed"
+        st = stats[kind]
+        st[0] += 1
+        st[1] += dt
+        st[2] += sum(s.num_new_tokens for s in so.scheduled)
+        return out
+
+    runner.execute = timed
+    t0 = time.perf_counter()
+    if a.torch_profiler:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"{n} tokens in {wall:.2f} s = {n / wall:.1f} tok/s" + (" (under the profiler)" if a.torch_profiler else ""))
+    print(f"{'kind':>10} {'steps':>6} {'seconds':>8} {'tokens':>7} {'ms/step':>8}")
+    for kind, (c, s, t) in sorted(stats.items()):
+        print(f"{kind:>10} {c:>6} {s:>8.2f} {t:>7} {1e3 * s / c:>8.1f}")
+    if a.torch_profiler:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
