@@ -50,7 +50,7 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         # The tokenizer loads (transformers import included) in a thread while the weights
-        # load and the cost model calibrates; the constructor joins it before returning.
+        # load and the pools are sized; it is joined before the cost model calibrates.
         self._tokenizer_job = ThreadPoolExecutor(1, thread_name_prefix="kvledger-tok").submit(
             _maybe_tokenizer, config.tokenizer or config.model
         )
@@ -112,6 +112,9 @@ class LLMEngine:
         if config.prefill_cost:
             self.cost_model.prefill_coeffs = tuple(config.prefill_cost)
         self.calibration: dict | None = None
+        # The calibration times real work: it must not share the CPU (and the GIL) with the
+        # tokenizer's imports, which skewed it 5-30x when both ran at once.
+        self.tokenizer = self._tokenizer_job.result()  # raises the tokenizer's error, if any
         if (
             config.calibrate_preemption
             and sc.preemption_mode == "auto"
@@ -126,7 +129,6 @@ class LLMEngine:
         self.swap_stats = {"out_blocks": 0, "in_blocks": 0, "out_s": 0.0, "in_s": 0.0}
         self.num_generated_tokens = 0
         self.stream_outputs = False  # True: step() reports every updated request (servers)
-        self.tokenizer = self._tokenizer_job.result()  # raises the tokenizer's error, if any
 
     # -- sizing -------------------------------------------------------------------------------
     def _plan_overlay(self, kv_dtype: str) -> tuple[int, int]:
