@@ -249,3 +249,57 @@ def test_layer_cache_write_then_read_through_block_table():
     layer.write(k, v, slots)
     kc, vc = layer.read(torch.tensor(table))
     assert torch.equal(kc.flatten(0, 1)[:6], k) and torch.equal(vc.flatten(0, 1)[:6], v)
+
+
+def test_packed_linears_cover_every_matmul_and_match_plain_ones(tmp_path):
+    """CPU float32 loads pack every matmul weight (a tied LM head too) for oneDNN; packed and
+    plain products agree to float32 rounding, bias included; other dtypes stay unpacked."""
+    from kvledger.model.layers import Linear, can_pack_linear
+
+    cfg = tiny_config("qwen2")  # q/k/v biases
+    cfg.tie_word_embeddings = True
+    build_hf_model(cfg, tmp_path)
+    if not can_pack_linear(torch.float32, torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN")
+    packed = load_model(tmp_path)
+    plain = load_model(tmp_path, pack_linear=False)
+    linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    assert packed.model.lm_head is None and packed.model.tied_head.packed is not None
+    assert "tied_head.weight" not in packed.model.state_dict()
+    assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
+    x = torch.randn(7, cfg.hidden_size)
+    qkv = packed.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.bias is not None
+    torch.testing.assert_close(qkv(x), torch.nn.functional.linear(x, qkv.weight, qkv.bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed.model.compute_logits(x), plain.model.compute_logits(x), atol=1e-5, rtol=1e-5)
+    assert load_model(tmp_path, dtype="bfloat16").model.model.layers[0].mlp.down_proj.packed is None
+    assert not can_pack_linear(torch.bfloat16, torch.device("cpu"))
+
+
+def test_decode_groups_bound_padding_and_bytes(monkeypatch):
+    """Decodes are grouped by context length: a group's padded context stays within the
+    padding factor and its gathered K/V within the byte cap; a singleton is attended alone."""
+    from kvledger.model.attention.metadata import AttentionMetadata
+
+    def meta(seq_lens, query_lens):
+        n = len(seq_lens)
+        z = torch.zeros(n, dtype=torch.long)
+        return AttentionMetadata(z, z, z, z, 16, 1, max(seq_lens), query_lens, seq_lens)
+
+    # Lengths 20..640 in mixed order; a 5-token prefill chunk is never grouped.
+    lens = [600, 20, 640, 30, 300, 32, 310, 17]
+    qls = [1, 1, 1, 1, 1, 1, 1, 5]
+    groups = torch_backend._decode_groups(meta(lens, qls), bytes_per_token=1024)
+    grouped = [i for g in groups for i in g]
+    assert 7 not in grouped and len(grouped) == len(set(grouped))
+    for g in groups:
+        assert len(g) > 1
+        padded = -(-max(lens[i] for i in g) // 16) * 16
+        assert len(g) * padded <= torch_backend._MAX_DECODE_PADDING * sum(lens[i] for i in g)
+        assert len(g) * padded * 1024 <= torch_backend._MAX_GROUP_BYTES
+    assert sorted(map(sorted, groups)) == [[0, 2], [1, 3, 5], [4, 6]]
+    # A byte cap that fits two 640-token contexts but not three splits equal lengths.
+    monkeypatch.setattr(torch_backend, "_MAX_GROUP_BYTES", 2 * 640 * 1024)
+    groups = torch_backend._decode_groups(meta([640] * 5, [1] * 5), bytes_per_token=1024)
+    assert [len(g) for g in groups] == [2, 2]  # the fifth is attended alone
