@@ -11,9 +11,8 @@ aliasing bug, and the manager's ledger and reference counts must agree with a sh
 
 from __future__ import annotations
 
-import copy
-
 import pytest
+from cache_state import kv_state
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -45,26 +44,6 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-
-
-def _state(kv: KVCacheManager) -> tuple:
-    def pool_state(pool):
-        if pool is None:
-            return None
-        return (
-            list(pool._free),
-            dict(pool._hash_index),
-            pool.num_cached_free,
-            [(b.ref_cnt, b.block_hash, b.token_ids, b.parent_block_id) for b in pool.blocks],
-        )
-
-    return (
-        kv.ledger().to_dict(),
-        copy.deepcopy(kv.requests),
-        pool_state(kv.pool),
-        pool_state(kv.host_pool),
-        list(kv._pending_copies),
-    )
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -123,9 +102,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         rid = self._new_id()
         computed, num_cached = self.kv.get_computed_blocks(prompt, salt)
         assert num_cached == len(computed) * BS < len(prompt)
-        before = _state(self.kv)
+        before = kv_state(self.kv)
         if not self.kv.allocate_slots(rid, len(prompt) - num_cached, computed, salt):
-            assert _state(self.kv) == before
+            assert kv_state(self.kv) == before
             assert rid not in self.kv.requests
             return
         self.kv.record_prefix_lookup(len(prompt), num_cached)
@@ -140,9 +119,14 @@ class KVCacheMachine(RuleBasedStateMachine):
     def append(self, data, new, rid=None):
         if rid is None:
             rid = data.draw(st.sampled_from(self._resident()))
-        before = _state(self.kv)
+        before = kv_state(self.kv)
+        # The scheduler's fit test (a bound first, the exact count when memory is tight)
+        # agrees with the exact count, for this request and for every resident one at once.
+        for items in ([(rid, len(new))], [(r, len(new)) for r in self._resident()]):
+            exact = self.kv.blocks_needed_total(items) <= self.kv.num_free_blocks
+            assert self.kv.fits_many(items, sum(n for _, n in items)) == exact
         if not self.kv.allocate_slots(rid, len(new)):
-            assert _state(self.kv) == before
+            assert kv_state(self.kv) == before
             return
         start = len(self.tokens[rid])
         self.tokens[rid].extend(new)
@@ -171,10 +155,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.kv.free(rid)
         del self.tokens[rid], self.salts[rid]
         self.swapped.discard(rid)
-        before = _state(self.kv)
+        before = kv_state(self.kv)
         with pytest.raises(CacheError):
             self.kv.free(rid)  # a double free is refused ...
-        assert _state(self.kv) == before  # ... and changes nothing
+        assert kv_state(self.kv) == before  # ... and changes nothing
 
     @precondition(lambda self: any(r not in self.swapped for r in self.tokens))
     @rule(data=st.data())
@@ -183,10 +167,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         table = list(self.kv.block_table(rid))
         private = [b for b in table if self.kv.pool.blocks[b].ref_cnt == 1]
         if not self.kv.can_swap_out(rid):
-            before = _state(self.kv)
+            before = kv_state(self.kv)
             with pytest.raises(OutOfBlocksError):
                 self.kv.swap_out(rid)
-            assert _state(self.kv) == before
+            assert kv_state(self.kv) == before
             return
         pairs = self.kv.swap_out(rid)
         assert sorted(d for d, _ in pairs) == sorted(private)  # only private blocks move
@@ -200,10 +184,10 @@ class KVCacheMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         rid = data.draw(st.sampled_from(sorted(self.swapped)))
         if not self.kv.can_swap_in(rid):
-            before = _state(self.kv)
+            before = kv_state(self.kv)
             with pytest.raises(OutOfBlocksError):
                 self.kv.swap_in(rid)
-            assert _state(self.kv) == before
+            assert kv_state(self.kv) == before
             return
         host = set(self.kv.requests[rid].host_blocks.values())
         pairs = self.kv.swap_in(rid)

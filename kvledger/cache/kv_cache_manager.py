@@ -242,11 +242,23 @@ class KVCacheManager:
                     total += 1  # copy-on-write of the shared partial block
         return total
 
+    def fits_many(self, items: list[tuple[str, int]], num_tokens: int) -> bool:
+        """Whether ``allocate_many(items)`` fits; ``num_tokens`` is the items' token total.
+
+        A request needs at most ``n // block_size + 1`` new blocks plus one copy-on-write, so
+        ``num_tokens // block_size + 2 * len(items)`` bounds the batch: when that fits, as it
+        does whenever memory is ample, the batch is not walked at all.
+        """
+        free = self.num_free_blocks
+        if num_tokens // self.block_size + 2 * len(items) <= free:
+            return True
+        return self.blocks_needed_total(items) <= free
+
     def allocate_many(self, items: list[tuple[str, int]], checked: bool = False) -> bool:
         """``allocate_slots`` for many running requests, all or nothing.
 
-        ``checked``: the caller has just compared ``blocks_needed_total(items)`` with the free
-        blocks (the scheduler does, to pick victims), so the batch is known to fit.
+        ``checked``: the caller has just seen ``fits_many(items, ...)`` hold (the scheduler
+        does, to pick victims), so the batch is not counted again.
         """
         if not checked and self.blocks_needed_total(items) > self.num_free_blocks:
             return False

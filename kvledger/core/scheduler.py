@@ -146,7 +146,6 @@ class Scheduler:
         items: list[tuple[str, int]] = []  # (request_id, tokens) for the block manager
         total_blocks = self.kv.pool.num_blocks
         ended: list[Request] = []
-        bound = 0  # blocks the plan could need at most: its new blocks plus one COW each
         for req in self.running:
             n = len(req.all_token_ids) - req.num_computed_tokens
             if n > budget:
@@ -159,17 +158,12 @@ class Scheduler:
             plan.append(ScheduledRequest(req, n))
             items.append((req.request_id, n))
             budget -= n
-            bound += n // bs + 2
         for req in ended:
             self.finish_request(req, "length")
             out.finished.append(req)
 
-        # 2. Preempt until the planned tokens' blocks fit (exact count only when memory is tight).
-        while (
-            plan
-            and bound > self.kv.num_free_blocks
-            and self.kv.blocks_needed_total(items) > self.kv.num_free_blocks
-        ):
+        # 2. Preempt until the planned tokens' blocks fit.
+        while plan and not self.kv.fits_many(items, self.config.max_num_batched_tokens - budget):
             victim = select_victim(
                 self.running,
                 self.config.victim_policy,
