@@ -17,9 +17,14 @@ class Linear(nn.Module):
     """y = x W^T (+ b). No initialisation: every weight comes from the checkpoint, and skipping
     nn.Linear's random init keeps meta-device construction free (it would import torch._dynamo)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, weight: torch.Tensor | None = None
+    ) -> None:
+        """``weight``: use this existing [out, in] tensor (a tied LM head shares the embedding's)."""
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        if weight is None:
+            weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight = weight
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN copy of weight, see pack()
 

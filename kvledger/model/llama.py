@@ -192,9 +192,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         if self.lm_head is None:
-            head = Linear.__new__(Linear)
-            nn.Module.__init__(head)
-            head.weight, head.bias = self.model.embed_tokens.weight, None
+            embed = self.model.embed_tokens.weight
+            head = Linear(embed.shape[1], embed.shape[0], weight=embed)
             head.pack()
             # Not registered as a submodule: the tied weight must not appear twice in state_dict.
             self.__dict__["tied_head"] = head
