@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvledger.sim.simulator import percentile
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_OUT = REPO_ROOT / "bench_out"
 
@@ -344,17 +346,6 @@ class ContentionProbe:
             "foreign_cpu_s": self.foreign_cpu_s,
             "foreign_cores_avg": self.foreign_cpu_s / self.wall_s,
         }
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in 0-100); None for an empty list."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def ttft_stats(ttfts: list[float] | None) -> dict[str, float | None]:

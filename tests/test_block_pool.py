@@ -1,20 +1,10 @@
 """BlockPool: O(1) free queue, reference counts, prefix index and LRU eviction."""
 
 import pytest
+from cache_state import pool_state
 
 from kvledger.cache.block_pool import BlockPool, hash_block
 from kvledger.errors import CacheError, KVLedgerError, OutOfBlocksError
-
-
-def _state(pool: BlockPool) -> tuple:
-    """Everything observable about a pool, to prove a failed call changed nothing."""
-    return (
-        list(pool._free),
-        dict(pool._hash_index),
-        pool.num_cached_free,
-        pool.num_evictions,
-        [(b.ref_cnt, b.block_hash, b.token_ids, b.parent_block_id) for b in pool.blocks],
-    )
 
 
 def _register(pool: BlockPool, block_id: int, tokens: tuple[int, ...], parent: int | None = None):
@@ -42,10 +32,10 @@ def test_non_positive_pool_size_is_a_cache_error(n):
 def test_allocate_more_than_free_raises_and_changes_nothing():
     pool = BlockPool(4)
     pool.allocate(3)
-    before = _state(pool)
+    before = pool_state(pool)
     with pytest.raises(OutOfBlocksError, match="need 2 free KV blocks, only 1 available"):
         pool.allocate(2)
-    assert _state(pool) == before
+    assert pool_state(pool) == before
     assert issubclass(OutOfBlocksError, CacheError) and issubclass(CacheError, KVLedgerError)
 
 
@@ -76,10 +66,10 @@ def test_double_free_raises_and_changes_nothing():
     pool = BlockPool(3)
     a, b = pool.allocate(2)
     pool.free([a])
-    before = _state(pool)
+    before = pool_state(pool)
     with pytest.raises(CacheError, match="double free of KV block 0"):
         pool.free([b, a])  # b is valid, a is not: nothing may be released
-    assert _state(pool) == before
+    assert pool_state(pool) == before
     pool.check_invariants()
 
 
@@ -87,10 +77,10 @@ def test_double_free_within_one_call_raises_and_changes_nothing():
     # The same block twice in one call is a double free too (ref_cnt 1, two releases).
     pool = BlockPool(3)
     (a,) = pool.allocate(1)
-    before = _state(pool)
+    before = pool_state(pool)
     with pytest.raises(CacheError, match="double free"):
         pool.free([a, a])
-    assert _state(pool) == before
+    assert pool_state(pool) == before
     pool.check_invariants()
 
 

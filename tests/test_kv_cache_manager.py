@@ -1,8 +1,8 @@
 """KVCacheManager: block tables, prefix caching, copy-on-write, swap maps and the ledger."""
 
-import copy
 
 import pytest
+from cache_state import kv_state
 
 import kvledger.cache.block_pool as block_pool_mod
 import kvledger.cache.kv_cache_manager as kvm_mod
@@ -14,30 +14,6 @@ BS = 4
 
 def _manager(num_blocks: int = 16, host: int = 0, **kw) -> KVCacheManager:
     return KVCacheManager(num_blocks, BS, bytes_per_token=10, num_host_blocks=host, **kw)
-
-
-def _state(kv: KVCacheManager) -> tuple:
-    """The ledger plus every piece of internal state, for before/after comparisons."""
-
-    def pool_state(pool):
-        if pool is None:
-            return None
-        return (
-            list(pool._free),
-            dict(pool._hash_index),
-            pool.num_cached_free,
-            pool.num_evictions,
-            [(b.ref_cnt, b.block_hash, b.token_ids, b.parent_block_id) for b in pool.blocks],
-        )
-
-    return (
-        kv.ledger().to_dict(),
-        copy.deepcopy(kv.requests),
-        pool_state(kv.pool),
-        pool_state(kv.host_pool),
-        list(kv._pending_copies),
-        (kv.prefix_cache_queries, kv.prefix_cache_hits, kv.num_cow_copies),
-    )
 
 
 def _new(kv: KVCacheManager, rid: str, prompt: list[int], salt: str | None = None) -> int:
@@ -118,11 +94,11 @@ def test_free_returns_every_block():
 def test_allocate_that_does_not_fit_returns_false_and_changes_nothing():
     kv = _manager(num_blocks=4)
     assert kv.allocate_slots("a", 10)  # 3 blocks
-    before = _state(kv)
+    before = kv_state(kv)
     assert not kv.allocate_slots("a", 7)  # needs 2 more, 1 free
-    assert _state(kv) == before
+    assert kv_state(kv) == before
     assert not kv.allocate_slots("b", 5)  # new request needing 2
-    assert _state(kv) == before and "b" not in kv.requests
+    assert kv_state(kv) == before and "b" not in kv.requests
     assert kv.allocate_slots("a", 6)  # exactly fits
     kv.check_invariants()
 
@@ -137,9 +113,9 @@ def test_allocate_with_cached_blocks_counts_revived_blocks_and_fails_cleanly():
     assert n == 8 and len(computed) == 2
     # Reviving the two cached blocks uses two of the three free blocks; 9 more tokens need 3.
     assert kv.blocks_needed("b", 9, computed) == 5
-    before = _state(kv)
+    before = kv_state(kv)
     assert not kv.allocate_slots("b", 9, computed)
-    assert _state(kv) == before
+    assert kv_state(kv) == before
     assert kv.allocate_slots("b", 1, computed)
     assert kv.block_table("b")[:2] == computed
     kv.check_invariants()
@@ -155,7 +131,7 @@ def test_negative_token_count_is_rejected():
 def test_unknown_request_raises_and_changes_nothing():
     kv = _manager(host=4)
     assert kv.allocate_slots("a", 5)
-    before = _state(kv)
+    before = kv_state(kv)
     for call in (
         lambda: kv.free("nope"),
         lambda: kv.block_table("nope"),
@@ -171,7 +147,7 @@ def test_unknown_request_raises_and_changes_nothing():
     ):
         with pytest.raises(CacheError, match="unknown request 'nope'"):
             call()
-        assert _state(kv) == before
+        assert kv_state(kv) == before
 
 
 def test_double_free_raises_and_changes_nothing():
@@ -179,10 +155,10 @@ def test_double_free_raises_and_changes_nothing():
     assert kv.allocate_slots("a", 5)
     assert kv.allocate_slots("b", 5)
     kv.free("a")
-    before = _state(kv)
+    before = kv_state(kv)
     with pytest.raises(CacheError, match="unknown request 'a'"):
         kv.free("a")
-    assert _state(kv) == before
+    assert kv_state(kv) == before
     kv.check_invariants()
 
 
@@ -403,25 +379,25 @@ def test_cow_that_does_not_fit_returns_false_and_changes_nothing():
     assert kv.allocate_slots("p", 5)
     kv.fork("p", "c")
     assert kv.allocate_slots("x", 1)  # the pool is now full
-    before = _state(kv)
+    before = kv_state(kv)
     assert kv.blocks_needed("c", 1) == 1
     assert not kv.allocate_slots("c", 1)
-    assert _state(kv) == before
+    assert kv_state(kv) == before
 
 
 def test_fork_errors():
     kv = _manager(host=4)
     assert kv.allocate_slots("p", 5)
     kv.fork("p", "c")
-    before = _state(kv)
+    before = kv_state(kv)
     with pytest.raises(CacheError, match="already has blocks"):
         kv.fork("p", "c")
-    assert _state(kv) == before
+    assert kv_state(kv) == before
     kv.swap_out("p")
-    before = _state(kv)
+    before = kv_state(kv)
     with pytest.raises(CacheError, match="cannot fork swapped-out"):
         kv.fork("p", "e")
-    assert _state(kv) == before
+    assert kv_state(kv) == before
 
 
 # -- swap -----------------------------------------------------------------------------------
@@ -469,18 +445,18 @@ def test_swap_without_host_pool_or_room_fails_cleanly():
     kv = _manager(num_blocks=8)
     assert kv.allocate_slots("a", 9)
     assert not kv.can_swap_out("a")
-    before = _state(kv)
+    before = kv_state(kv)
     with pytest.raises(OutOfBlocksError):
         kv.swap_out("a")
-    assert _state(kv) == before
+    assert kv_state(kv) == before
 
     kv = _manager(num_blocks=8, host=2)
     assert kv.allocate_slots("a", 9)  # 3 private blocks, 2 host blocks
     assert not kv.can_swap_out("a")
-    before = _state(kv)
+    before = kv_state(kv)
     with pytest.raises(OutOfBlocksError, match="host swap pool has 2 free blocks, need 3"):
         kv.swap_out("a")
-    assert _state(kv) == before
+    assert kv_state(kv) == before
 
 
 def test_swap_in_without_room_fails_cleanly():
@@ -489,10 +465,10 @@ def test_swap_in_without_room_fails_cleanly():
     kv.swap_out("a")
     assert kv.allocate_slots("b", 10)  # 3 of 4 device blocks
     assert not kv.can_swap_in("a")
-    before = _state(kv)
+    before = kv_state(kv)
     with pytest.raises(OutOfBlocksError, match="need 3 free KV blocks to swap in, only 1"):
         kv.swap_in("a")
-    assert _state(kv) == before
+    assert kv_state(kv) == before
     kv.free("b")
     assert len(kv.swap_in("a")) == 3
     kv.check_invariants()
@@ -548,13 +524,13 @@ def test_trim_and_cache_blocks_of_a_swapped_request_raise():
     _new(kv, "a", prompt)
     kv.swap_out("a")
     assert kv.allocate_slots("z", 16)  # every device block, including block 3
-    before = _state(kv)
+    before = kv_state(kv)
     with pytest.raises(CacheError, match="swapped out"):
         kv.trim("a", 5)
-    assert _state(kv) == before
+    assert kv_state(kv) == before
     with pytest.raises(CacheError, match="swapped out"):
         kv.cache_blocks("a", prompt + [5, 5, 5], 12)
-    assert _state(kv) == before
+    assert kv_state(kv) == before
     kv.check_invariants()
 
 
