@@ -15,8 +15,10 @@ from model_factory import PagedDriver, build_hf_model, tiny_config
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from kvledger.errors import ConfigError, UnsupportedArchitectureError
+from kvledger.model import native
 from kvledger.model.attention import torch_backend
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
+from kvledger.model.layers import Linear
 from kvledger.model.loader import load_model, load_tokenizer
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260k"
@@ -66,9 +68,19 @@ def test_prefill_logits_match_hf(tiny):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_paged_greedy_matches_hf_generate(tiny):
-    """Token-identical to HF generate over 30 steps; every step's logits agree too."""
+@pytest.mark.parametrize("use_native", [True, False])
+def test_paged_greedy_matches_hf_generate(tiny, use_native, monkeypatch):
+    """Token-identical to HF generate over 30 steps; every step's logits agree too. With the
+    native kernels (decode GEMMs and paged attention) and with torch's kernels only."""
     hf, loaded = tiny
+    if not use_native:
+        monkeypatch.setattr(native, "can_paged_decode", lambda *a: False)
+        tied = [loaded.model.tied_head] if loaded.model.tied_head is not None else []
+        for m in [*loaded.model.modules(), *tied]:
+            if isinstance(m, Linear):
+                monkeypatch.setattr(m, "native_small", False)
+    elif native.library() is None:
+        pytest.skip("native kernels unavailable here")
     prompt = _prompt(11, seed=2)
     ref_tokens, ref_logits = _hf_greedy(hf, prompt, 30)
     drv = PagedDriver(loaded, block_size=4, seed=7)
@@ -81,18 +93,24 @@ def test_paged_greedy_matches_hf_generate(tiny):
         logits.append(drv.step([("a", [tokens[-1]])]))
     assert tokens == ref_tokens
     torch.testing.assert_close(torch.stack(step_logits), ref_logits, atol=1e-4, rtol=1e-4)
+    assert (loaded.model.attn_backend._plan.native_decode is not None) == use_native
     table = drv.tables["a"]
     assert len(table) >= 10 and table != sorted(table), "blocks must be many and non-contiguous"
 
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "qwen3"])
-@pytest.mark.parametrize("batch_decodes", [False, True])
-def test_mixed_batch_matches_each_request_alone(kind, batch_decodes, tmp_path, monkeypatch):
+@pytest.mark.parametrize("decode_path", ["native", "batched", "alone"])
+def test_mixed_batch_matches_each_request_alone(kind, decode_path, tmp_path, monkeypatch):
     """One request prefills a chunk while two decode: same logits as running each alone,
-    whether the decodes are batched (padded) or attended one by one."""
-    limit = float("inf") if batch_decodes else 0.0
-    monkeypatch.setattr(torch_backend, "_MAX_DECODE_PADDING", limit)
-    monkeypatch.setattr(torch_backend, "_MAX_GROUP_BYTES", limit)
+    whether the decodes go through the native paged kernel, a padded SDPA batch, or one by one."""
+    if decode_path == "native":
+        if native.library() is None:
+            pytest.skip("native kernels unavailable here (no C compiler or no AVX2)")
+    else:
+        monkeypatch.setattr(native, "can_paged_decode", lambda *a: False)
+        limit = float("inf") if decode_path == "batched" else 0.0
+        monkeypatch.setattr(torch_backend, "_MAX_DECODE_PADDING", limit)
+        monkeypatch.setattr(torch_backend, "_MAX_GROUP_BYTES", limit)
     build_hf_model(tiny_config(kind), tmp_path)
     loaded = load_model(tmp_path)
     prompts = {"a": _prompt(9, 1), "b": _prompt(14, 2), "c": _prompt(3, 3)}
@@ -112,8 +130,9 @@ def test_mixed_batch_matches_each_request_alone(kind, batch_decodes, tmp_path, m
     drv.step([("a", prompts["a"][:4]), ("b", prompts["b"]), ("c", prompts["c"])])
     mixed = drv.step([("b", [nxt["b"]]), ("a", prompts["a"][4:]), ("c", [nxt["c"]])])
     plan = loaded.model.attn_backend._plan
-    assert len(plan.decode) == (1 if batch_decodes else 0)
-    assert len(plan.chunks) == (1 if batch_decodes else 3)
+    assert (plan.native_decode is not None) == (decode_path == "native")
+    assert len(plan.decode) == (1 if decode_path == "batched" else 0)
+    assert len(plan.chunks) == (3 if decode_path == "alone" else 1)
     torch.testing.assert_close(mixed[0:1], alone["b"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed[1:6], alone["a"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed[6:7], alone["c"], atol=1e-5, rtol=1e-5)

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvledger.model import native
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b). No initialisation: every weight comes from the checkpoint, and skipping
@@ -27,6 +29,7 @@ class Linear(nn.Module):
         self.weight = weight
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN copy of weight, see pack()
+        self.native_small = False  # few-row products use kvledger's own kernel, see pack()
 
     def pack(self) -> None:
         """Reorder the weight once into oneDNN's blocked layout (CPU, float32).
@@ -35,11 +38,23 @@ class Linear(nn.Module):
         from memory; on the plain row-major layout MKL's small-M GEMM reaches only a fraction
         of memory bandwidth (3-25 GFLOP/s here), the packed layout 1.5-2.5x that
         (docs/benchmarks.md, issue 7). Same float32 math, different summation order.
+
+        Products of at most SMALL_GEMM_MAX_ROWS rows (decode steps) go to native.small_gemm
+        instead when it is available: it streams the plain row-major weight near memory
+        bandwidth, faster still than the packed GEMM at those sizes.
         """
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+        self.native_small = (
+            native.library() is not None
+            and self.weight.shape[1] % 8 == 0
+            and self.weight.is_contiguous()
+            and (self.bias is None or self.bias.is_contiguous())
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if self.native_small and x.dim() == 2 and x.shape[0] <= native.SMALL_GEMM_MAX_ROWS:
+                return native.small_gemm(x, self.weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

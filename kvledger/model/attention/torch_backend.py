@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvledger.model import native
 from kvledger.model.attention.metadata import AttentionMetadata
-from kvledger.model.kv_cache import LayerKVCache
+from kvledger.model.kv_cache import LayerKVCache, PagedKVCache
 
 # Batching decodes saves the per-request op overhead (~100 us per request and layer on these
 # CPUs) but gathers each request's context padded to the longest in its batch, through a
@@ -84,9 +85,19 @@ class _DecodeBatch:
 
 
 @dataclass
+class _NativeDecode:
+    """Every single-token query of the step, for native.paged_decode (blocks read in place)."""
+
+    rows: torch.Tensor  # [B] query row of each request
+    block_tables: torch.Tensor  # [B, max_blocks]
+    seq_lens: torch.Tensor  # [B]
+
+
+@dataclass
 class _Plan:
     chunks: list[_Chunk]
     decode: list[_DecodeBatch]
+    native_decode: _NativeDecode | None = None
     # Quantised caches: this step's rows to keep in the full-precision overlay (after attention).
     overlay_src: torch.Tensor | None = None
     overlay_dst: torch.Tensor | None = None
@@ -102,7 +113,8 @@ class _Quant:
 
 
 class TorchAttentionBackend:
-    """Reference backend: per-request SDPA for prefill chunks, grouped padded SDPA for decodes."""
+    """Reference backend: per-request SDPA for prefill chunks; decodes through the native
+    paged-decode kernel where it runs (float32 CPU, unquantised cache), else grouped padded SDPA."""
 
     def __init__(self) -> None:
         # Per-step plan, built by the first layer and reused by the others (same metadata object).
@@ -119,9 +131,15 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         layer_cache.write(k, v, meta.slot_mapping)
-        plan = self._get_plan(meta, q.dtype, k.shape[1] * k.shape[2], layer_cache)
         num_tokens, num_heads, head_dim = q.shape
-        if len(plan.chunks) == 1 and not plan.decode and plan.chunks[0].end == num_tokens:
+        plan = self._get_plan(meta, q.dtype, k.shape[1] * k.shape[2], layer_cache, num_heads)
+        nd = plan.native_decode
+        if nd is not None and not plan.chunks:
+            out = q.new_empty(num_tokens, num_heads * head_dim)
+            q = q.contiguous()
+            native.paged_decode(q, layer_cache.k, layer_cache.v, nd.block_tables, nd.seq_lens, nd.rows, out, scale)
+            return out
+        if len(plan.chunks) == 1 and nd is None and not plan.decode and plan.chunks[0].end == num_tokens:
             # A lone request (the common prefill and single-stream decode): no scatter needed.
             out = self._attend_chunk(q, k, v, layer_cache, plan.chunks[0], scale)
             if plan.overlay_dst is not None:
@@ -130,6 +148,9 @@ class TorchAttentionBackend:
         out = q.new_empty(num_tokens, num_heads * head_dim)
         for c in plan.chunks:
             out[c.start : c.end] = self._attend_chunk(q, k, v, layer_cache, c, scale)
+        if nd is not None:
+            q = q.contiguous()
+            native.paged_decode(q, layer_cache.k, layer_cache.v, nd.block_tables, nd.seq_lens, nd.rows, out, scale)
         num_kv_heads = k.shape[1]
         for d in plan.decode:
             bsz = d.rows.shape[0]
@@ -191,9 +212,17 @@ class TorchAttentionBackend:
         return o[0].transpose(0, 1).reshape(query_len, num_heads * head_dim)
 
     def _get_plan(
-        self, meta: AttentionMetadata, dtype: torch.dtype, kv_width: int, layer_cache: LayerKVCache
+        self,
+        meta: AttentionMetadata,
+        dtype: torch.dtype,
+        kv_width: int,
+        layer_cache: LayerKVCache,
+        num_heads: int,
     ) -> _Plan:
         if meta is not self._plan_meta:
+            use_native = isinstance(layer_cache, PagedKVCache) and native.can_paged_decode(
+                layer_cache.k, num_heads
+            )
             quant = None
             if getattr(layer_cache, "quantized", False):
                 quant = _Quant(
@@ -201,16 +230,21 @@ class TorchAttentionBackend:
                     layer_cache.recent_tokens,
                     layer_cache.overlay_k is not None and meta.overlay_slots is not None,
                 )
-            self._plan = _build_plan(meta, dtype, kv_width, quant)
+            self._plan = _build_plan(meta, dtype, kv_width, quant, use_native)
             self._plan_meta = meta
         assert self._plan is not None
         return self._plan
 
 
 def _build_plan(
-    meta: AttentionMetadata, dtype: torch.dtype, kv_width: int, quant: _Quant | None = None
+    meta: AttentionMetadata,
+    dtype: torch.dtype,
+    kv_width: int,
+    quant: _Quant | None = None,
+    use_native: bool = False,
 ) -> _Plan:
-    """Split the step into per-request chunks and padded batches of decodes (_decode_groups)."""
+    """Split the step into per-request chunks and the decodes: all in one _NativeDecode when
+    use_native (unquantised caches only), else padded batches (_decode_groups)."""
     device = meta.slot_mapping.device
     bs = meta.block_size
     starts: list[int] = []
@@ -219,8 +253,15 @@ def _build_plan(
         starts.append(pos)
         pos += n
 
-    groups = _decode_groups(meta, kv_width * dtype.itemsize * 2)
-    batched = {i for g in groups for i in g}
+    native_decode = None
+    if use_native and quant is None:
+        groups = []
+        batched = {i for i, n in enumerate(meta.query_lens_list) if n == 1}
+        if batched:
+            native_decode = _native_decode(meta, sorted(batched), starts)
+    else:
+        groups = _decode_groups(meta, kv_width * dtype.itemsize * 2)
+        batched = {i for g in groups for i in g}
     overlay = quant is not None and quant.overlay
 
     chunks: list[_Chunk] = []
@@ -253,10 +294,24 @@ def _build_plan(
         )
 
     decode = [_decode_batch(meta, g, starts, dtype, quant if overlay else None) for g in groups]
-    plan = _Plan(chunks, decode)
+    plan = _Plan(chunks, decode, native_decode)
     if overlay:
         plan.overlay_src, plan.overlay_dst = _overlay_writes(meta, quant, starts, device)
     return plan
+
+
+def _native_decode(meta: AttentionMetadata, decodes: list[int], starts: list[int]) -> _NativeDecode:
+    device = meta.slot_mapping.device
+    if len(decodes) == meta.num_reqs:  # a pure decode step: the metadata's own tensors
+        rows = torch.arange(len(decodes), dtype=torch.int64, device=device)
+        tables, seq_lens = meta.block_tables, meta.seq_lens
+    else:
+        idx = torch.tensor(decodes, dtype=torch.int64, device=device)
+        rows = torch.tensor([starts[i] for i in decodes], dtype=torch.int64, device=device)
+        tables, seq_lens = meta.block_tables.index_select(0, idx), meta.seq_lens.index_select(0, idx)
+    return _NativeDecode(
+        rows, tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
+    )
 
 
 def _decode_groups(meta: AttentionMetadata, bytes_per_token: int) -> list[list[int]]:
