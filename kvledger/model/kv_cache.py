@@ -8,11 +8,11 @@ format is another class with the same ``write``/``read``/``storage`` interface.
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
-import numpy as np
 import torch
+
+from kvledger.model import host_memory
 
 
 class LayerKVCache(Protocol):
@@ -62,11 +62,11 @@ def _pairs_to_index(pairs: list[tuple[int, int]], src_device, dst_device):
 def lazy_zeros(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_memory: bool = False
 ) -> torch.Tensor:
-    """Zeros; on the CPU from calloc'd pages that stay unmapped until first written, so the
-    process's resident memory grows with the blocks actually used, not the pool's size."""
+    """Zeros; on the CPU from pages that stay unmapped until first written (huge pages where
+    available, see host_memory), so the process's resident memory grows with the blocks
+    actually used, not the pool's size."""
     if device.type == "cpu" and not pin_memory:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        return host_memory.zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvledger.model import native
+from kvledger.model import host_memory, native
 
 
 class Linear(nn.Module):
@@ -47,9 +47,12 @@ class Linear(nn.Module):
         self.native_small = (
             native.library() is not None
             and self.weight.shape[1] % 8 == 0
-            and self.weight.is_contiguous()
             and (self.bias is None or self.bias.is_contiguous())
         )
+        if self.native_small:
+            # The native kernel streams this copy: on huge pages (host_memory), not a view of
+            # the checkpoint's memory-mapped file.
+            self.weight = nn.Parameter(host_memory.copy_of(self.weight.detach()), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -195,5 +195,6 @@ class LlamaForCausalLM(nn.Module):
             embed = self.model.embed_tokens.weight
             head = Linear(embed.shape[1], embed.shape[0], weight=embed)
             head.pack()
+            self.model.embed_tokens.weight = head.weight  # still one tensor if pack() copied it
             # Not registered as a submodule: the tied weight must not appear twice in state_dict.
             self.__dict__["tied_head"] = head

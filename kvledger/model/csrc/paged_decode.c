@@ -49,6 +49,11 @@ static inline __m256 exp8(__m256 x) {
 
 static inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
 
+static inline void prefetch_rows(const float *p, int64_t n, int64_t row, int64_t D) {
+    for (int64_t j = 0; j < n; j++, p += row)
+        for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(p + d), _MM_HINT_T1);
+}
+
 #define MAX_G 16
 #define MAX_D 256
 
@@ -66,6 +71,10 @@ static inline __attribute__((always_inline)) void attend_one(
     for (int64_t blk = 0, t = 0; blk < nblocks; blk++) {
         const float *k = kc + table[blk] * bs * row + kvh * D;
         const int64_t n = len - t < bs ? len - t : bs;
+        /* The blocks are scattered, so the hardware prefetcher stops at each block's end: ask
+         * for the next block's keys and this block's values (read in the V pass) now. */
+        if (blk + 1 < nblocks) prefetch_rows(kc + table[blk + 1] * bs * row + kvh * D, bs, row, D);
+        prefetch_rows(vc + table[blk] * bs * row + kvh * D, n, row, D);
         for (int64_t j = 0; j < n; j++, t++, k += row) {
             __m256 acc[MAX_G];
             for (int64_t g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
