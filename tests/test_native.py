@@ -164,3 +164,48 @@ def test_build_is_cached_per_source(tmp_path):
     mtime = os.stat(first).st_mtime_ns
     assert native.build(out_dir=tmp_path) == first and os.stat(first).st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rope_in_place_is_bit_identical_to_the_torch_path(rows):
+    """In place inside a fused qkv row (strided), q and k heads rotated, v untouched."""
+    from kvledger.model.layers import RotaryEmbedding, apply_rotary
+
+    rot = RotaryEmbedding(64, 4096, 10000.0)
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads = 8, 2
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * 64, generator=g)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    cos, sin = rot(positions, torch.float32)
+    qk = qkv[:, : (heads + kv_heads) * 64].view(rows, heads + kv_heads, 64)
+    expected = apply_rotary(qk, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * 64 :].clone()
+    native.rope_(qkv, heads + kv_heads, 64, positions, rot.cos_cache, rot.sin_cache)
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * 64 :], v_before)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 64), (7, 512), (3, 4, 16), (600, 256)])
+def test_rms_norm_matches_hf_composite(shape):
+    g = torch.Generator().manual_seed(shape[0])
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    ref = w.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6))
+    got = native.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, F.rms_norm(x, (shape[-1],), w, 1e-6), atol=1e-6, rtol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 6, 2048])
+def test_silu_mul_matches_torch(rows):
+    g = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 96, generator=g) * 6
+    gate_up[0, :3] = torch.tensor([-120.0, 0.0, 95.0])  # exp under/overflow of the other sign
+    gate, up = gate_up.split(96, dim=-1)
+    got = native.silu_mul(gate_up)
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=1e-6, rtol=2e-6)
+    ref = (gate.double() / (1 + torch.exp(-gate.double()))) * up.double()
+    torch.testing.assert_close(got.double(), ref, atol=1e-6, rtol=2e-6)

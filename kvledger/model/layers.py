@@ -7,6 +7,7 @@ operations and its dtypes (RMSNorm in float32, RoPE tables in float32, rotate-ha
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
+        if x.shape[-1] % 8 == 0 and native.available(x) and self.weight.dtype == torch.float32:
+            return native.rms_norm(x, self.weight, self.eps)
         if input_dtype == torch.float32 and self.weight.dtype == torch.float32:
             # The fused kernel gives the same bits as HF's composite in float32, in one op.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -158,6 +161,28 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+@dataclass
+class RopeStep:
+    """One step's RoPE inputs, made once and shared by every layer: either the gathered cos/sin
+    rows (torch path) or, for the native kernel, the tables it looks positions up in."""
+
+    positions: torch.Tensor  # [T] int64
+    cos: torch.Tensor | None = None  # [T, 1, head_dim] (torch path)
+    sin: torch.Tensor | None = None
+    tables: RotaryEmbedding | None = None  # native path
+
+    @classmethod
+    def make(cls, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, use_native: bool) -> RopeStep:
+        if use_native:
+            return cls(positions, tables=rotary)
+        cos, sin = rotary(positions, dtype)
+        return cls(positions, cos, sin)
+
+    def rotate_(self, x: torch.Tensor, num_heads: int, head_dim: int) -> None:
+        """Native path: rotate the first num_heads heads of each row of 2-D x in place."""
+        native.rope_(x, num_heads, head_dim, self.positions, self.tables.cos_cache, self.tables.sin_cache)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -178,5 +203,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.intermediate_size % 8 == 0 and gate_up.dim() == 2 and native.available(gate_up):
+            return self.down_proj(native.silu_mul(gate_up.contiguous()))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvledger.model import native
 from kvledger.model.attention.backend import AttentionBackend
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
@@ -22,6 +23,7 @@ from kvledger.model.layers import (
     GatedMLP,
     Linear,
     RMSNorm,
+    RopeStep,
     RotaryEmbedding,
     apply_rotary,
 )
@@ -71,8 +73,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeStep,
         meta: AttentionMetadata,
         kv_cache: LayerKVCache,
         backend: AttentionBackend,
@@ -81,7 +82,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
+        cos, sin = rope.cos, rope.sin
+        if rope.tables is not None:
+            # Native: q and k rotated in place inside the fused output (same bits as below).
+            rope.rotate_(qkv, self.num_heads + self.num_kv_heads, self.head_dim)
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is None:
             # q and k are adjacent in the fused output: rotate them as one [T, H + K, D] tensor.
             qk = qkv[:, :qk_size].view(
                 num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
@@ -107,15 +114,14 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeStep,
         meta: AttentionMetadata,
         kv_cache: LayerKVCache,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         # Same residual order as HF, so bf16/fp16 rounding matches too.
         residual = h
-        h = self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache, backend)
+        h = self.self_attn(self.input_layernorm(h), rope, meta, kv_cache, backend)
         h = residual + h
         residual = h
         h = self.mlp(self.post_attention_layernorm(h))
@@ -171,10 +177,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids/positions [T] int64 → final-normed hidden states [T, hidden]."""
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, h.dtype)
+        use_native = (
+            self.config.head_dim % 16 == 0 and not self.config.qk_norm and native.available(h)
+        )
+        rope = RopeStep.make(self.rotary_emb, positions, h.dtype, use_native)
         backend = self.attn_backend
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, attn_metadata, kv_cache, backend)
+            h = layer(h, rope, attn_metadata, kv_cache, backend)
         return self.model.norm(h)
 
     @torch.inference_mode()

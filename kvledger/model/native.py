@@ -107,7 +107,64 @@ def library() -> ctypes.CDLL | None:
     lib.kvl_small_gemm.restype = ctypes.c_int
     lib.kvl_paged_decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     lib.kvl_paged_decode.restype = ctypes.c_int
+    lib.kvl_rope_inplace.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    lib.kvl_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.kvl_silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    for fn in (lib.kvl_rope_inplace, lib.kvl_rms_norm, lib.kvl_silu_mul):
+        fn.restype = ctypes.c_int
     return lib
+
+
+def available(t: torch.Tensor) -> bool:
+    """Native kernels run here and take this tensor's dtype and device (float32, CPU)."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and library() is not None
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise ValueError(f"{what}: unsupported arguments")
+
+
+def rope_(
+    x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
+    cos_table: torch.Tensor, sin_table: torch.Tensor,
+) -> None:
+    """Rotate-half RoPE in place on the first num_heads * head_dim floats of each row of the 2-D
+    float32 x (rows may be strided, e.g. q and k inside a fused qkv output); cos/sin tables are
+    [max_positions, head_dim] float32, positions int64 [rows]. head_dim % 16 == 0."""
+    assert x.stride(1) == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+    _check(
+        library().kvl_rope_inplace(
+            x.data_ptr(), x.shape[0], x.stride(0), num_heads, head_dim, positions.data_ptr(),
+            cos_table.data_ptr(), sin_table.data_ptr(), torch.get_num_threads(),
+        ),
+        "rope_",
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim (a multiple of 8), float32."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    _check(
+        library().kvl_rms_norm(
+            x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads()
+        ),
+        "rms_norm",
+    )
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a contiguous [rows, 2 * inter] float32 tensor of [gate | up] rows."""
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    _check(
+        library().kvl_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()),
+        "silu_mul",
+    )
+    return out
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,107 @@
+/* Row-wise ops of the decoder layer, one call each instead of a chain of torch ops.
+ *
+ * A decode step runs ~40 small torch ops per layer, each costing microseconds of dispatch
+ * for a few thousand floats; these kernels do the same arithmetic in one pass.
+ *  - kvl_rope_inplace: HF's rotate-half RoPE, (x * cos) + (rotate_half(x) * sin) with the
+ *    multiplies and the add rounded separately as torch does (no FMA contraction): bit-identical
+ *    to the torch path. cos/sin are looked up from the float32 tables by position.
+ *  - kvl_rms_norm: weight * (x * 1/sqrt(mean(x^2) + eps)). The sum of squares is accumulated in
+ *    8 lanes, so it can differ from torch's reduction in the last bit.
+ *  - kvl_silu_mul: silu(gate) * up = gate / (1 + exp(-gate)) * up over a fused [gate | up] row.
+ *    exp is a Cephes-style polynomial (~1 ulp), not torch's Sleef.
+ * Float32, no fast-math. Rows are spread over OpenMP threads when there are enough of them.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#define PAR_MIN_FLOATS (1 << 15) /* below this, threads cost more than they save */
+
+static inline float hsum8e(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 h = _mm_movehdup_ps(s);
+    s = _mm_add_ps(s, h);
+    h = _mm_movehl_ps(h, s);
+    return _mm_cvtss_f32(_mm_add_ss(s, h));
+}
+
+static inline __m256 exp8_any(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* x: rows of `width` floats, row stride x_stride; rotates the first num_heads * D floats of
+ * each row (heads of D floats) in place. Returns -1 if D % 16 != 0. */
+int kvl_rope_inplace(float *x, int64_t rows, int64_t x_stride, int64_t num_heads, int64_t D,
+                     const int64_t *positions, const float *cos_table, const float *sin_table,
+                     int num_threads) {
+    if (D % 16 != 0 || rows < 0) return -1;
+    const int64_t h = D / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * num_heads * D >= PAR_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
+        for (int64_t hd = 0; hd < num_heads; hd++) {
+            float *p = x + t * x_stride + hd * D;
+            for (int64_t i = 0; i < h; i += 8) {
+                __m256 x1 = _mm256_loadu_ps(p + i), x2 = _mm256_loadu_ps(p + h + i);
+                /* first half: x1 * cos - x2 * sin  == (x1 * cos) + ((-x2) * sin) */
+                __m256 lo = _mm256_add_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i)),
+                                          _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), _mm256_loadu_ps(s + i)));
+                __m256 hi = _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + h + i)),
+                                          _mm256_mul_ps(x1, _mm256_loadu_ps(s + h + i)));
+                _mm256_storeu_ps(p + i, lo);
+                _mm256_storeu_ps(p + h + i, hi);
+            }
+        }
+    }
+    return 0;
+}
+
+/* y[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) for contiguous rows of n floats. */
+int kvl_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps,
+                 int num_threads) {
+    if (n % 8 != 0 || rows < 0) return -1;
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= PAR_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+        }
+        float var = hsum8e(acc) / (float)n;
+        __m256 inv = _mm256_set1_ps(1.0f / __builtin_sqrtf(var + eps));
+        for (int64_t i = 0; i < n; i += 8)
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), inv)));
+    }
+    return 0;
+}
+
+/* out[r, i] = silu(gu[r, i]) * gu[r, inter + i] for rows of 2 * inter floats. */
+int kvl_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int num_threads) {
+    if (inter % 8 != 0 || rows < 0) return -1;
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= PAR_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 e = exp8_any(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+    }
+    return 0;
+}
