@@ -68,16 +68,22 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [cc_path, *CFLAGS, "-o", tmp, *map(str, sources)], check=True, capture_output=True, timeout=300
-        )
+    with tempfile.TemporaryDirectory(dir=out_dir) as work:
+        # One compiler per source, in parallel (the first start on a machine waits for this).
+        objects = [os.path.join(work, f"{p.stem}.o") for p in sources]
+        procs = [
+            subprocess.Popen(
+                [cc_path, *CFLAGS, "-c", "-o", o, str(p)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+            for p, o in zip(sources, objects, strict=True)
+        ]
+        for proc in procs:
+            _, err = proc.communicate(timeout=300)
+            if proc.returncode != 0:
+                raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
+        tmp = os.path.join(work, "lib.so")
+        subprocess.run([cc_path, *CFLAGS, "-o", tmp, *objects], check=True, capture_output=True, timeout=300)
         os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return target
 
 
