@@ -7,6 +7,10 @@ of requests rounded down to a multiple of 8), with count, total seconds and ms p
     python -m benchmarks.vs_vllm_cpu --only vllm     # once, writes the model and workload
     python -m benchmarks.profile_steps               # timings
     python -m benchmarks.profile_steps --torch-profiler   # + top ops (slower)
+    python -m benchmarks.profile_steps --split            # + time inside each part, per step kind
+
+The torch profiler does not see the native kernels (ctypes calls); --split times them, the
+attention backend and the runner's phases with wall clocks around each call.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--torch-profiler", action="store_true")
+    ap.add_argument("--split", action="store_true", help="wall time inside each part, per step kind")
     a = ap.parse_args()
     if not a.model.is_dir() or not a.workload.is_file():
         raise SystemExit(f"missing {a.model} or {a.workload}: run benchmarks.vs_vllm_cpu once first")
@@ -45,13 +50,18 @@ def main() -> int:
     runner = llm.engine.runner
     execute = runner.execute
     stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    parts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    current = {"kind": ""}
+    if a.split:
+        _install_split_timers(runner, parts, current)
 
     def timed(so):
+        decode = all(s.num_new_tokens == 1 for s in so.scheduled)
+        kind = f"decode{len(so.scheduled) // 8 * 8:03d}" if decode else "mixed"
+        current["kind"] = kind
         t = time.perf_counter()
         out = execute(so)
         dt = time.perf_counter() - t
-        decode = all(s.num_new_tokens == 1 for s in so.scheduled)
-        kind = f"decode{len(so.scheduled) // 8 * 8:03d}" if decode else "mixed"
         st = stats[kind]
         st[0] += 1
         st[1] += dt
@@ -73,9 +83,43 @@ def main() -> int:
     print(f"{'kind':>10} {'steps':>6} {'seconds':>8} {'tokens':>7} {'ms/step':>8}")
     for kind, (c, s, t) in sorted(stats.items()):
         print(f"{kind:>10} {c:>6} {s:>8.2f} {t:>7} {1e3 * s / c:>8.1f}")
+    if a.split:
+        names = sorted({n for p in parts.values() for n in p})
+        print("\nms per step inside each part (nested: attention includes paged_decode, forward")
+        print("includes attention and the kernels; the LM head GEMM is inside compute_logits)")
+        print(f"{'kind':>10} " + " ".join(f"{n:>15}" for n in names))
+        for kind, p in sorted(parts.items()):
+            c = stats[kind][0]
+            print(f"{kind:>10} " + " ".join(f"{1e3 * p.get(n, 0.0) / c:>15.2f}" for n in names))
     if a.torch_profiler:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     return 0
+
+
+def _install_split_timers(runner, parts, current) -> None:
+    """Wrap the native kernels, the attention backend and the runner's phases with timers."""
+    from kvledger.model import native
+    from kvledger.model.attention import torch_backend
+
+    def wrap(owner, name, label):
+        orig = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                parts[current["kind"]][label] += time.perf_counter() - t
+
+        setattr(owner, name, timed)
+
+    for fn in ("small_gemm", "paged_decode", "rms_norm", "rope_", "silu_mul"):
+        wrap(native, fn, fn)
+    wrap(torch_backend.TorchAttentionBackend, "forward", "attention")
+    wrap(runner.model, "forward", "forward")
+    wrap(runner.model, "compute_logits", "compute_logits")
+    wrap(runner, "prepare", "prepare")
+    wrap(runner, "_sample", "sample")
 
 
 if __name__ == "__main__":

@@ -217,7 +217,10 @@ class ModelRunner:
                 owners.append(r)
         if not rows:
             return
-        tokens, logprobs = sample(logits[rows], sreqs, self.generator)
+        # Without n > 1 children every row is sampled once, in order: no copy of the logits.
+        tokens, logprobs = sample(
+            logits if len(rows) == logits.shape[0] else logits[rows], sreqs, self.generator
+        )
         for r, t, lp in zip(owners, tokens, logprobs):
             out.sampled[r.request_id] = t
             out.logprobs[r.request_id] = lp
