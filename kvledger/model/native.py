@@ -52,7 +52,7 @@ def _cpu_flags() -> str:
 def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     """Compile every csrc/*.c into one shared library (or reuse the cached one); return its path.
 
-    The cache key covers the sources, the flags, the compiler and the CPU's flags, because
+    The cache key covers the sources and headers, the flags, the compiler and the CPU's flags, because
     -march=native code must not run on another CPU. Raises OSError / SubprocessError on failure.
     """
     cc = cc or os.environ.get("CC") or "cc"
@@ -60,8 +60,14 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     if cc_path is None:
         raise OSError(f"no C compiler {cc!r} on PATH")
     sources = sorted(CSRC.glob("*.c"))
+    headers = sorted(CSRC.glob("*.h"))
     h = hashlib.sha256()
-    for part in [*(p.read_bytes() for p in sources), " ".join(CFLAGS).encode(), cc_path.encode(), _cpu_flags().encode()]:
+    for part in [
+        *(p.read_bytes() for p in [*sources, *headers]),
+        " ".join(CFLAGS).encode(),
+        cc_path.encode(),
+        _cpu_flags().encode(),
+    ]:
         h.update(part + b"\0")
     out_dir = out_dir or cache_dir()
     target = out_dir / f"kvledger_native-{h.hexdigest()[:16]}.so"

@@ -15,31 +15,9 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 #define PAR_MIN_FLOATS (1 << 15) /* below this, threads cost more than they save */
-
-static inline float hsum8e(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 h = _mm_movehdup_ps(s);
-    s = _mm_add_ps(s, h);
-    h = _mm_movehl_ps(h, s);
-    return _mm_cvtss_f32(_mm_add_ss(s, h));
-}
-
-static inline __m256 exp8_any(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 /* x: rows of `width` floats, row stride x_stride; rotates the first num_heads * D floats of
  * each row (heads of D floats) in place. Returns -1 if D % 16 != 0. */
@@ -81,7 +59,7 @@ int kvl_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t
             __m256 v = _mm256_loadu_ps(xr + i);
             acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
         }
-        float var = hsum8e(acc) / (float)n;
+        float var = hsum8(acc) / (float)n;
         __m256 inv = _mm256_set1_ps(1.0f / __builtin_sqrtf(var + eps));
         for (int64_t i = 0; i < n; i += 8)
             _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), inv)));
@@ -98,7 +76,7 @@ int kvl_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int n
         float *o = out + r * inter;
         for (int64_t i = 0; i < inter; i += 8) {
             __m256 x = _mm256_loadu_ps(g + i);
-            __m256 e = exp8_any(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
             __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
             _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
         }

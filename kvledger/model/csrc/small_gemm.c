@@ -16,13 +16,7 @@
 #include <omp.h>
 #include <stdint.h>
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 h = _mm_movehdup_ps(s);
-    s = _mm_add_ps(s, h);
-    h = _mm_movehl_ps(h, s);
-    return _mm_cvtss_f32(_mm_add_ss(s, h));
-}
+#include "simd.h"
 
 /* Rows n0..n1 of W against MM rows of x (MM a compile-time constant: accumulators in registers). */
 #define DEFINE_TILE(MM)                                                                         \
@@ -38,7 +32,7 @@ static inline float hsum(__m256 v) {
                     acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv, acc[m]);       \
             }                                                                                   \
             float bias = b ? b[n] : 0.0f;                                                       \
-            for (int m = 0; m < MM; m++) y[m * N + n] = hsum(acc[m]) + bias;                    \
+            for (int m = 0; m < MM; m++) y[m * N + n] = hsum8(acc[m]) + bias;                    \
         }                                                                                       \
     }
 
