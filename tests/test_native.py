@@ -155,6 +155,7 @@ def test_build_failures_fall_back_to_torch(tmp_path, monkeypatch, caplog):
     assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
     try:
         # A failing compiler: a warning, and None (every caller then uses torch's kernels).
+        monkeypatch.delenv("KVLEDGER_NATIVE", raising=False)
         monkeypatch.setenv("CC", "false")
         monkeypatch.setenv("KVLEDGER_CACHE_DIR", str(tmp_path))
         native.library.cache_clear()
