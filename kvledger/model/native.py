@@ -2,8 +2,8 @@
 and cached per source and CPU, then called through ctypes.
 
 Why not a torch C++ extension: building one takes tens of seconds and needs the torch headers;
-these kernels are plain C with intrinsics and OpenMP, compile in about a second once per
-machine, and load in milliseconds, so start-up stays within bounds. Everything here is
+these kernels are plain C with intrinsics and OpenMP, compile in 2-3 s once per machine
+(one compiler per source, in parallel), and load in milliseconds, so start-up stays within bounds. Everything here is
 optional: without a compiler, on a CPU without AVX2/FMA, or with KVLEDGER_NATIVE=0, callers
 get None and use torch's own kernels.
 """
@@ -52,8 +52,8 @@ def _cpu_flags() -> str:
 def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
     """Compile every csrc/*.c into one shared library (or reuse the cached one); return its path.
 
-    The cache key covers the sources and headers, the flags, the compiler and the CPU's flags, because
-    -march=native code must not run on another CPU. Raises OSError / SubprocessError on failure.
+    The cache key covers the sources and headers, the flags, the compiler and the CPU's flags,
+    because -march=native code must not run on another CPU. Raises OSError / SubprocessError on failure.
     """
     cc = cc or os.environ.get("CC") or "cc"
     cc_path = shutil.which(cc)
@@ -83,10 +83,16 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
             )
             for p, o in zip(sources, objects, strict=True)
         ]
-        for proc in procs:
-            _, err = proc.communicate(timeout=300)
-            if proc.returncode != 0:
-                raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
+        try:
+            for proc in procs:
+                _, err = proc.communicate(timeout=300)
+                if proc.returncode != 0:
+                    raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         tmp = os.path.join(work, "lib.so")
         subprocess.run([cc_path, *CFLAGS, "-o", tmp, *objects], check=True, capture_output=True, timeout=300)
         os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
