@@ -1,8 +1,10 @@
 """PyTorch reference attention over the paged cache (CPU first; runs anywhere torch does).
 
 Correctness first: each request reads back only its own blocks, and queries of a chunk sit at
-positions seq_len - query_len + i. Single-token decodes of many requests are batched into a few
-masked SDPA calls (grouped by context length), because a Python loop costs more than the attention itself on small models.
+positions seq_len - query_len + i. Single-token decodes of all requests go to one call of the
+native paged-decode kernel (kvledger.model.native: float32 CPU, unquantised cache), which reads
+the blocks in place; elsewhere they are batched into a few masked SDPA calls (grouped by context
+length), because a Python loop costs more than the attention itself on small models.
 
 Quantised caches (``layer_cache.quantized``): every key is read back dequantised from the blocks
 of the requests in the step (never the whole cache), including the step's own tokens, and the
