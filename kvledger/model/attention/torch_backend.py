@@ -136,11 +136,6 @@ class TorchAttentionBackend:
         num_tokens, num_heads, head_dim = q.shape
         plan = self._get_plan(meta, q.dtype, k.shape[1] * k.shape[2], layer_cache, num_heads)
         nd = plan.native_decode
-        if nd is not None and not plan.chunks:
-            out = q.new_empty(num_tokens, num_heads * head_dim)
-            q = q.contiguous()
-            native.paged_decode(q, layer_cache.k, layer_cache.v, nd.block_tables, nd.seq_lens, nd.rows, out, scale)
-            return out
         if len(plan.chunks) == 1 and nd is None and not plan.decode and plan.chunks[0].end == num_tokens:
             # A lone request (the common prefill and single-stream decode): no scatter needed.
             out = self._attend_chunk(q, k, v, layer_cache, plan.chunks[0], scale)
@@ -302,15 +297,22 @@ def _build_plan(
     return plan
 
 
-def _native_decode(meta: AttentionMetadata, decodes: list[int], starts: list[int]) -> _NativeDecode:
+def _select_requests(
+    meta: AttentionMetadata, reqs: list[int], starts: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query row, block-table row and context length of each of the given single-token requests
+    (indices ascending, so that all of them means the metadata's own order)."""
     device = meta.slot_mapping.device
-    if len(decodes) == meta.num_reqs:  # a pure decode step: the metadata's own tensors
-        rows = torch.arange(len(decodes), dtype=torch.int64, device=device)
-        tables, seq_lens = meta.block_tables, meta.seq_lens
-    else:
-        idx = torch.tensor(decodes, dtype=torch.int64, device=device)
-        rows = torch.tensor([starts[i] for i in decodes], dtype=torch.int64, device=device)
-        tables, seq_lens = meta.block_tables.index_select(0, idx), meta.seq_lens.index_select(0, idx)
+    if len(reqs) == meta.num_reqs:  # a pure decode step: the metadata's own tensors
+        rows = torch.arange(len(reqs), dtype=torch.int64, device=device)
+        return rows, meta.block_tables, meta.seq_lens
+    idx = torch.tensor(reqs, dtype=torch.int64, device=device)
+    rows = torch.tensor([starts[i] for i in reqs], dtype=torch.int64, device=device)
+    return rows, meta.block_tables.index_select(0, idx), meta.seq_lens.index_select(0, idx)
+
+
+def _native_decode(meta: AttentionMetadata, decodes: list[int], starts: list[int]) -> _NativeDecode:
+    rows, tables, seq_lens = _select_requests(meta, decodes, starts)
     return _NativeDecode(
         rows, tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
     )
@@ -351,11 +353,10 @@ def _decode_batch(
 ) -> _DecodeBatch:
     device = meta.slot_mapping.device
     bs = meta.block_size
+    group = sorted(group)  # batch order does not matter; ascending as _select_requests wants
     max_blocks = -(-max(meta.seq_lens_list[i] for i in group) // bs)
-    idx = torch.tensor(group, dtype=torch.int64, device=device)
-    rows = torch.tensor([starts[i] for i in group], dtype=torch.int64, device=device)
-    block_tables = meta.block_tables.index_select(0, idx)[:, :max_blocks]
-    seq_lens = meta.seq_lens.index_select(0, idx)
+    rows, block_tables, seq_lens = _select_requests(meta, group, starts)
+    block_tables = block_tables[:, :max_blocks]
     valid = torch.arange(max_blocks * bs, device=device)[None, :] < seq_lens[:, None]
     mask = torch.zeros(valid.shape, dtype=dtype, device=device)
     mask.masked_fill_(~valid, float("-inf"))
