@@ -92,8 +92,8 @@ def fit_prefill(lengths: list[int], seconds: list[float]) -> tuple[float, float,
 def calibrate_cost_model(engine: LLMEngine, max_len: int = 256) -> None:
     """Fill the engine's cost model from measurements (about a second on small models)."""
     t0 = time.perf_counter()
-    cap = min(max_len, engine.max_model_len - 1, engine.kv.pool.num_blocks * engine.kv.block_size)
-    lengths = sorted({n for n in (16, 64, 256) if 0 < n <= cap} | {min(cap, 256)})
+    cap = min(max_len, 256, engine.max_model_len - 1, engine.kv.pool.num_blocks * engine.kv.block_size)
+    lengths = sorted({n for n in (16, 64) if n < cap} | {cap})
     seconds = measure_prefill(engine, lengths)
     cm = engine.cost_model
     if len(seconds) >= 2:
