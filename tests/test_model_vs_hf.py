@@ -273,7 +273,7 @@ def test_layer_cache_write_then_read_through_block_table():
 def test_packed_linears_cover_every_matmul_and_match_plain_ones(tmp_path):
     """CPU float32 loads pack every matmul weight (a tied LM head too) for oneDNN; packed and
     plain products agree to float32 rounding, bias included; other dtypes stay unpacked."""
-    from kvledger.model.layers import Linear, can_pack_linear
+    from kvledger.model.layers import can_pack_linear
 
     cfg = tiny_config("qwen2")  # q/k/v biases
     cfg.tie_word_embeddings = True

@@ -196,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linears(self) -> None:
         """Pack every matmul weight for oneDNN (see Linear.pack); a tied LM head gets its own
-        packed copy, the embedding keeps the plain one for lookups."""
+        packed copy, and the embedding looks tokens up in the head's plain weight (one tensor)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
