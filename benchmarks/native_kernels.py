@@ -16,6 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import print_header
 from kvledger.model import host_memory, native
 from kvledger.model.layers import apply_rotary
 
@@ -147,6 +148,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    print_header("kvledger native kernels vs the torch ops they replace")
     if native.library() is None:
         raise SystemExit("native kernels unavailable here (no C compiler, no AVX2, or KVLEDGER_NATIVE=0)")
     with torch.inference_mode():

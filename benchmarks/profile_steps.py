@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import BENCH_OUT
+from benchmarks.common import BENCH_OUT, print_header
 
 
 def main() -> int:
@@ -38,6 +38,7 @@ def main() -> int:
     if not a.model.is_dir() or not a.workload.is_file():
         raise SystemExit(f"missing {a.model} or {a.workload}: run benchmarks.vs_vllm_cpu once first")
     torch.set_num_threads(a.threads)
+    print_header("kvledger step profile (issue-7 workload)")
     from kvledger import LLM, SamplingParams
 
     t0 = time.perf_counter()
