@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from kvledger.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a stream carries (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # everything so far: text, token ids and logprobs
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes
 
 
 @dataclass
@@ -26,6 +35,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k alternatives beside the sampled token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +73,8 @@ class SamplingParams:
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
 

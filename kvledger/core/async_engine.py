@@ -3,9 +3,10 @@
 A step is blocking torch compute, so one background thread owns the engine: it applies the
 calls queued by the event loop (add, abort, reads) and runs ``step()`` while work remains,
 all under one lock, since the engine is not thread-safe. Outputs go back to per-request
-streams through ``loop.call_soon_threadsafe``. A stream keeps only the newest output: each
-RequestOutput is cumulative (full text, tokens, logprobs), so a slow reader skips states
-instead of queueing them, and its memory stays one output however far behind it falls.
+streams through ``loop.call_soon_threadsafe``. A stream holds one pending output however far
+behind its reader falls: a cumulative output replaces the pending one (the reader skips
+states), a delta output (``RequestOutputKind.DELTA``) is merged into it, so nothing is lost
+and the reader gets everything new since its last read in one piece.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 from kvledger.core.engine import LLMEngine
 from kvledger.errors import InvalidRequestError
 from kvledger.outputs import RequestOutput
-from kvledger.sampling_params import SamplingParams
+from kvledger.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kvledger")
 
@@ -42,8 +43,9 @@ class EngineObserver(Protocol):
 class RequestStream:
     """The outputs of one request, newest first-come: iterate until ``finished``."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str) -> None:
+    def __init__(self, owner: AsyncEngine, request_id: str, delta: bool = False) -> None:
         self.request_id = request_id
+        self.delta = delta  # outputs are deltas: merge them, never drop one
         self.prompt_token_ids: list[int] = []
         self.finished = False
         self._owner = owner
@@ -53,7 +55,10 @@ class RequestStream:
 
     # Called on the event loop by the owner.
     def _put(self, out: RequestOutput) -> None:
-        self._latest = out
+        if self.delta and self._latest is not None:
+            self._latest.add(out, aggregate=True)
+        else:
+            self._latest = out
         self._ready.set()
 
     def _fail(self, error: BaseException) -> None:
@@ -143,7 +148,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic()
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, params.output_kind is RequestOutputKind.DELTA)
         self._streams[request_id] = stream
 
         def add() -> list[int]:

@@ -13,6 +13,7 @@ import torch
 from kvledger.cache.kv_cache_manager import cdiv
 from kvledger.cache.kv_quant import SINK_CACHE_ENTRIES
 from kvledger.config import EngineConfig
+from kvledger.core.detokenizer import IncrementalDetokenizer
 from kvledger.core.model_runner import ModelRunner, RunnerOutput
 from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.request import Request, RequestStatus
@@ -23,7 +24,7 @@ from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
 from kvledger.model.loader import load_model, load_tokenizer
 from kvledger.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvledger.sampling_params import SamplingParams
+from kvledger.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kvledger")
 
@@ -38,6 +39,7 @@ class _Group:
     request_id: str
     prompt: str | None
     seqs: list[Request]
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -236,6 +238,7 @@ class LLMEngine:
             max_total_tokens=self.max_model_len,
             index=i,
         )
+        req.detokenizer = IncrementalDetokenizer.new(self.tokenizer, token_ids, params)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed + 1_000_003 * i)
         return req
@@ -292,15 +295,21 @@ class LLMEngine:
         lp = ro.logprobs.get(req.request_id)
         if lp is not None:
             req.logprobs.append(lp)
+            req.cumulative_logprob += lp.logprob
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now
         reason = self._check_stop(req, token)
+        # The text: each token is detokenized once; stop strings only over the new text.
+        stop_str = req.detokenizer.update([token], reason == "stop")
+        if stop_str is not None:
+            reason, req.stop_reason = "stop", stop_str
         if reason is not None:
             self.scheduler.finish_request(req, reason)
             req.finished_time = now
 
     def _check_stop(self, req: Request, token: int) -> str | None:
+        """The token-level stops: EOS, a stop token id, the length cap."""
         p = req.sampling_params
         past_min = req.num_output_tokens >= p.min_tokens
         if past_min and not p.ignore_eos and token in req.eos_token_ids:
@@ -308,27 +317,9 @@ class LLMEngine:
         if past_min and token in p.stop_token_ids:
             req.stop_reason = token
             return "stop"
-        if p.stop:
-            # Search only text that is new since the last check (plus an overlap for a stop
-            # string split across tokens), so text from before min_tokens never matches.
-            text = self.decode(req)
-            if past_min:
-                start = max(0, req.stop_checked_chars - max(len(s) for s in p.stop) + 1)
-                hits = [(i, s) for s in p.stop if (i := text.find(s, start)) >= 0]
-                if hits:
-                    req.stop_text_pos, req.stop_reason = min(hits)
-                    return "stop"
-            req.stop_checked_chars = len(text)
         if req.num_output_tokens >= req.max_output_tokens:
             return "length"
         return None
-
-    def decode(self, req: Request) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(
-            req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
-        )
 
     def _account_swaps(self, so: SchedulerOutput, ro: RunnerOutput) -> None:
         st = self.swap_stats
@@ -346,42 +337,63 @@ class LLMEngine:
                 continue
             if group.finished:
                 del self.groups[gid]
-            elif not self.stream_outputs:
+            elif (
+                not self.stream_outputs
+                or group.seqs[0].sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
+            ):
                 continue
             outs.append(self.make_output(group))
         return outs
 
     def make_output(self, group: _Group) -> RequestOutput:
+        """The group's output now: cumulative, or (DELTA) only what is new since the last one.
+
+        O(new tokens) per call for DELTA: no whole-output decode or copy.
+        """
         first = group.seqs[0]
+        delta = first.sampling_params.output_kind is RequestOutputKind.DELTA
         completions = []
         for seq in group.seqs:
-            text = self.decode(seq)
             p = seq.sampling_params
-            if seq.stop_text_pos is not None:
-                keep = len(seq.stop_reason) if p.include_stop_str_in_output else 0
-                text = text[: seq.stop_text_pos + keep]
-            lps = seq.logprobs if p.logprobs is not None else None
+            finished = seq.is_finished
+            if finished:
+                seq.detokenizer.finish()
+            if delta:
+                start = seq.num_sent_tokens
+                new = start < seq.num_output_tokens or (finished and not seq.finish_sent)
+                if not (new or group.finished):  # the last output lists every sequence
+                    continue
+                seq.num_sent_tokens, seq.finish_sent = seq.num_output_tokens, finished
+                token_ids = seq.output_token_ids[start:]
+                lps = seq.logprobs[start:] if p.logprobs is not None else None
+            else:
+                token_ids = list(seq.output_token_ids)
+                lps = list(seq.logprobs) if p.logprobs is not None else None
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=text,
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=sum(lp.logprob for lp in lps) if lps else None,
-                    logprobs=list(lps) if lps is not None else None,
+                    text=seq.detokenizer.get_next_output_text(finished, delta),
+                    token_ids=token_ids,
+                    cumulative_logprob=seq.cumulative_logprob if lps is not None else None,
+                    logprobs=lps,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
             )
+        prompt_lps = None
+        if first.sampling_params.prompt_logprobs is not None and not (
+            delta and group.prompt_logprobs_sent
+        ):
+            prompt_lps = [None, *first.prompt_logprobs]
+            group.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
-            prompt_token_ids=list(first.prompt_token_ids),
+            prompt_token_ids=first.prompt_token_ids,  # never mutated: shared, not copied
             outputs=completions,
             finished=group.finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
-            prompt_logprobs=[None, *first.prompt_logprobs]
-            if first.sampling_params.prompt_logprobs is not None
-            else None,
+            prompt_logprobs=prompt_lps,
             metrics=RequestMetrics(
                 arrival_time=first.arrival_time,
                 first_scheduled_time=first.first_scheduled_time,
@@ -389,6 +401,7 @@ class LLMEngine:
                 last_token_time=first.last_token_time,
                 finished_time=first.finished_time,
                 num_preemptions=sum(s.num_preemptions for s in group.seqs),
+                num_generation_tokens=sum(s.num_output_tokens for s in group.seqs),
             ),
         )
 

@@ -36,6 +36,7 @@ class Request:
     # Sampling state.
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
     # Scheduling state.
     status: RequestStatus = RequestStatus.WAITING
@@ -49,8 +50,10 @@ class Request:
     # Finishing.
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
-    stop_checked_chars: int = 0  # output text already searched for stop strings
-    stop_text_pos: int | None = None  # where the matched stop string starts in the text
+    # Engine-side output state: the incremental detokenizer and what streams were sent.
+    detokenizer: object | None = None  # core.detokenizer.IncrementalDetokenizer
+    num_sent_tokens: int = 0  # output tokens already handed out in DELTA outputs
+    finish_sent: bool = False  # the finishing DELTA output was handed out
     # n > 1: children forked from this request after its prompt is computed.
     parent_id: str | None = None
     index: int = 0

@@ -28,8 +28,8 @@ from kvledger.core.async_engine import AsyncEngine, EngineDeadError, RequestStre
 from kvledger.core.engine import LLMEngine
 from kvledger.core.request import Logprob
 from kvledger.errors import KVLedgerError
-from kvledger.outputs import CompletionOutput, RequestOutput
-from kvledger.sampling_params import SamplingParams
+from kvledger.outputs import CompletionOutput, RequestOutput, merge_deltas
+from kvledger.sampling_params import RequestOutputKind, SamplingParams
 from kvledger.server.metrics import EngineState, ServerMetrics
 from kvledger.server.protocol import (
     ChatChoice,
@@ -178,39 +178,25 @@ class _SSEResponse(StreamingResponse):
 class _Delta:
     """What one streamed choice has sent so far."""
 
-    text: str = ""
-    num_tokens: int = 0
+    num_chars: int = 0  # text sent (the logprobs' text_offset)
     finished: bool = False
 
 
-def _advance(d: _Delta, c: CompletionOutput, holdback: int) -> tuple[str, int, bool] | None:
-    """The next (text delta, first new token index, finished) of a choice; None: nothing new.
+def _advance(d: _Delta, c: CompletionOutput) -> tuple[str, int, bool] | None:
+    """The next (text delta, its text offset, finished) of a choice; None: nothing new.
 
-    The text is decoded whole each time and the new suffix sent. While unfinished, a trailing
-    U+FFFD (an incomplete UTF-8 character) and the last ``holdback`` characters (a stop string
-    may be forming) wait, so the chunks always add up to the final, non-streamed text.
+    The engine's DELTA outputs already are the new text (partial characters and a forming
+    stop string held back), so the chunks add up to the final, non-streamed text.
     """
     if d.finished:
         return None
     finished = c.finish_reason is not None
-    text = c.text
-    if not finished:
-        end = max(len(text) - holdback, 0)
-        while end > 0 and text[end - 1] == "\ufffd":
-            end -= 1
-        text = text[:end]
-    if not text.startswith(d.text):  # the decode changed text already sent (rare)
-        logger.debug("streamed text diverged from the decode of %s", c.token_ids)
-    delta = text[len(d.text) :]
-    if len(text) >= len(d.text) or finished:
-        d.text = text
-    first = d.num_tokens
-    d.num_tokens = len(c.token_ids)
+    offset = d.num_chars
+    d.num_chars += len(c.text)
     d.finished = finished
-    new_logprobs = c.logprobs is not None and d.num_tokens > first
-    if not delta and not finished and not new_logprobs:
+    if not c.text and not finished and not c.logprobs:
         return None
-    return delta, first, finished
+    return c.text, offset, finished
 
 
 def _clamp(x: float) -> float:
@@ -218,7 +204,11 @@ def _clamp(x: float) -> float:
 
 
 def _usage(outs: list[RequestOutput | None], prompt_lens: list[int]) -> UsageInfo:
-    completion = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
+    completion = sum(
+        o.metrics.num_generation_tokens if o.metrics else sum(len(c.token_ids) for c in o.outputs)
+        for o in outs
+        if o is not None
+    )
     prompt = sum(prompt_lens)
     cached = sum(o.num_cached_tokens for o in outs if o is not None)
     return UsageInfo(
@@ -388,10 +378,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return close
 
     async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
-        last: list[RequestOutput | None] = [None] * len(streams)
+        parts: list[list[RequestOutput]] = [[] for _ in streams]
         async for i, out in _merged(streams):
-            last[i] = out
-        return last  # type: ignore[return-value]
+            parts[i].append(out)
+        return [merge_deltas(p) if p else None for p in parts]  # type: ignore[misc]
 
     def text_of(t: int) -> str:
         return aengine.token_text.get(t, "")
@@ -428,9 +418,6 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                 )
             )
         return ChatLogprobs(content=content)
-
-    def holdback(params: SamplingParams) -> int:
-        return max((len(s) for s in params.stop), default=1) - 1
 
     # -- endpoints ---------------------------------------------------------------------------
     @app.get("/health")
@@ -471,6 +458,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         params = body.to_sampling_params()
+        params.output_kind = RequestOutputKind.DELTA  # the engine sends only what is new
         check_params(params)
         prompts = body.prompts()
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -520,7 +508,6 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     ) -> AsyncIterator[str]:
         deltas: dict[int, _Delta] = {}
         last: list[RequestOutput | None] = [None] * len(streams)
-        hold = holdback(params)
         try:
             async for i, out in _merged(streams):
                 last[i] = out
@@ -538,13 +525,13 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                                     choices=[CompletionChoice(index=index, text=echo[i])],
                                 )
                             )
-                    step = _advance(d, c, hold)
+                    step = _advance(d, c)
                     if step is None:
                         continue
-                    text, first, finished = step
+                    text, offset, finished = step
                     lps = None
                     if c.logprobs is not None:
-                        lps = completion_logprobs(c.logprobs[first:], len(d.text) - len(text))
+                        lps = completion_logprobs(c.logprobs, offset)
                     yield _sse(
                         CompletionResponse(
                             id=rid,
@@ -576,6 +563,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         params = body.to_sampling_params()
+        params.output_kind = RequestOutputKind.DELTA  # the engine sends only what is new
         check_params(params)
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so chat is not available")
@@ -653,7 +641,6 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
         deltas: dict[int, _Delta] = {}
         last: RequestOutput | None = None
-        hold = holdback(params)
         try:
             for i in range(params.n):
                 yield chunk(i, DeltaMessage(role="assistant", content=""))
@@ -661,11 +648,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                 last = out
                 for c in out.outputs:
                     d = deltas.setdefault(c.index, _Delta())
-                    step = _advance(d, c, hold)
+                    step = _advance(d, c)
                     if step is None:
                         continue
-                    text, first, finished = step
-                    lps = chat_logprobs(c.logprobs[first:]) if c.logprobs is not None else None
+                    text, _, finished = step
+                    lps = chat_logprobs(c.logprobs) if c.logprobs is not None else None
                     yield chunk(
                         c.index,
                         DeltaMessage(content=text),

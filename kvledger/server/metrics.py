@@ -178,7 +178,7 @@ class ServerMetrics:
         m = self.model_name
         for out in outputs:
             met = out.metrics
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            num_tokens = met.num_generation_tokens if met is not None else 0  # outputs may be deltas
             prev = self._last.get(out.request_id)
             if met is not None and met.last_token_time is not None and num_tokens:
                 if prev is None:

@@ -1,0 +1,209 @@
+"""Incremental detokenization: each sequence's tokens are decoded once, as they arrive.
+
+Decoding the whole output at every step costs O(n) per token (O(n^2) per request). Here a
+per-sequence detokenizer is fed each new token once and appends the text it adds:
+
+* with a fast tokenizer, the ``tokenizers`` library's ``DecodeStream``, primed with the end of
+  the prompt so that the first generated token keeps the space that belongs to it
+  (" saw" after "They", not "saw"); it holds back partial UTF-8 characters (byte fallback,
+  byte-level BPE) until they are complete;
+* otherwise a sliding-window decode (the prefix/read offsets of HF's ``TextStreamer`` and
+  vLLM's slow path), which only ever decodes a few tokens.
+
+Either way ``prompt + output_text == tokenizer.decode(prompt_ids + output_ids)`` (special
+tokens aside). Stop strings are searched only in the newly added text plus the overlap a stop
+string can span, and streams get the text the stop-string holdback lets out (vLLM's
+``stop_buffer_length``), so the chunks of a stream always add up to the final text.
+"""
+
+from __future__ import annotations
+
+from kvledger.sampling_params import SamplingParams
+
+_PRIME_TOKENS = 6  # prompt tokens replayed into a new stream: enough for any leading-space rule
+_WINDOW = 6  # tokens of context the slow path decodes before the unread ones
+
+
+class IncrementalDetokenizer:
+    """Text bookkeeping shared by every backend; on its own (no tokenizer) it yields no text."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.output_text = ""
+        self.stop = list(params.stop)
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self.num_output_tokens = 0
+        # While unfinished a stream withholds the chars a stop string might still claim.
+        self.stop_buffer_length = (
+            max(len(s) for s in self.stop) - 1
+            if self.stop and not self.include_stop_str_in_output
+            else 0
+        )
+        self._sent_chars = 0  # what get_next_output_text(delta=True) has handed out
+        self._done = False  # finished, or cut at a stop string: no more text
+
+    @staticmethod
+    def new(tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        """The best detokenizer this tokenizer allows (None: token ids only, no text)."""
+        if tokenizer is None:
+            return IncrementalDetokenizer(params)
+        backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        if backend is not None:
+            try:
+                from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21)
+            except ImportError:
+                backend = None
+        if backend is not None:
+            return FastIncrementalDetokenizer(tokenizer, backend, prompt_token_ids, params)
+        return SlowIncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+
+    # -- backends override these two ------------------------------------------------------------
+    def decode_next(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        """Text of tokens still held back (an incomplete character at the very end)."""
+        return ""
+
+    # -- the per-step update -----------------------------------------------------------------------
+    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+        """Append the text of ``new_token_ids``; return the stop string they completed, if any.
+
+        ``stop_terminated``: the last token already ended the request (EOS or a stop token id);
+        as in vLLM its text is left out unless ``include_stop_str_in_output``.
+        """
+        if stop_terminated and not self.include_stop_str_in_output and new_token_ids:
+            new_token_ids = new_token_ids[:-1]
+            self.num_output_tokens += 1
+        check_from = len(self.output_text)
+        for t in new_token_ids:
+            self.output_text += self.decode_next(t)
+            self.num_output_tokens += 1
+            if self.num_output_tokens <= self.min_tokens:
+                check_from = len(self.output_text)  # text before min_tokens never stops
+        if not self.stop or len(self.output_text) == check_from:
+            return None
+        return self._check_stop_strings(check_from)
+
+    def finish(self) -> None:
+        """The sequence ended: let out any held-back bytes (none after a stop string)."""
+        if not self._done:
+            self._done = True
+            self.output_text += self.flush()
+
+    def _check_stop_strings(self, check_from: int) -> str | None:
+        text, hits = self.output_text, []
+        for s in self.stop:
+            i = text.find(s, max(0, check_from - len(s) + 1))
+            if i >= 0:
+                hits.append((i, s))
+        if not hits:
+            return None
+        pos, stop = min(hits)  # the earliest match wins
+        self._done = True
+        self.output_text = text[: pos + (len(stop) if self.include_stop_str_in_output else 0)]
+        return stop
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The whole text so far, or (``delta``) what is new since the last call."""
+        buf = 0 if finished else self.stop_buffer_length
+        end = len(self.output_text) - buf
+        if not delta:
+            return self.output_text[:end] if buf else self.output_text
+        start = self._sent_chars
+        if start >= end:
+            return ""
+        self._sent_chars = end
+        return self.output_text[start:end]
+
+
+class FastIncrementalDetokenizer(IncrementalDetokenizer):
+    """``tokenizers.decoders.DecodeStream`` over the fast tokenizer's backend."""
+
+    def __init__(self, tokenizer, backend, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        super().__init__(params)
+        self.backend = backend
+        self.skip_special_tokens = params.skip_special_tokens
+        prime = list(prompt_token_ids[-_PRIME_TOKENS:])
+        self.stream = DecodeStream(ids=prime, skip_special_tokens=self.skip_special_tokens)
+        self._ids = prime  # context for flush()
+        self._pending = 0  # tokens fed since the stream last produced text
+        # vLLM: without spaces between special tokens, consecutive added tokens are joined raw.
+        self.added_token_ids: dict[int, str] | None = None
+        self._last_special = False
+        if not (self.skip_special_tokens or params.spaces_between_special_tokens):
+            added = {t: tok.content for t, tok in tokenizer.added_tokens_decoder.items()}
+            self.added_token_ids = added or None
+
+    def decode_next(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        try:
+            piece = self.stream.step(self.backend, token_id)
+        except Exception:  # a token id the decoder cannot place: restart the stream after it
+            from tokenizers.decoders import DecodeStream
+
+            self.stream = DecodeStream(ids=self._ids[-_PRIME_TOKENS:], skip_special_tokens=self.skip_special_tokens)
+            piece = None
+        if self.added_token_ids is not None:
+            special = self.added_token_ids.get(token_id)
+            if special is not None and self._last_special:
+                piece = special
+            self._last_special = special is not None
+        if piece is None:
+            self._pending += 1
+            return ""
+        self._pending = 0
+        return piece
+
+    def flush(self) -> str:
+        if not self._pending:
+            return ""
+        ctx = self._ids[-(self._pending + _WINDOW) : -self._pending]
+        skip = self.skip_special_tokens
+        whole = self.backend.decode(ctx + self._ids[-self._pending :], skip_special_tokens=skip)
+        before = self.backend.decode(ctx, skip_special_tokens=skip)
+        self._pending = 0
+        return whole[len(before) :] if whole.startswith(before) else whole
+
+
+class SlowIncrementalDetokenizer(IncrementalDetokenizer):
+    """Any tokenizer with ``decode``: decode a short window and keep what it adds."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        super().__init__(params)
+        self.tokenizer = tokenizer
+        self.kwargs = {
+            "skip_special_tokens": params.skip_special_tokens,
+            "spaces_between_special_tokens": params.spaces_between_special_tokens,
+        }
+        self._ids = list(prompt_token_ids[-_WINDOW:])
+        self._prefix = 0  # start of the context window in _ids
+        self._read = len(self._ids)  # tokens before this have produced their text
+
+    def _decode(self, ids: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(ids, **self.kwargs)
+        except TypeError:  # a tokenizer without spaces_between_special_tokens
+            return self.tokenizer.decode(ids, skip_special_tokens=self.kwargs["skip_special_tokens"])
+
+    def decode_next(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return self._advance(final=False)
+
+    def _advance(self, final: bool) -> str:
+        prefix = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) <= len(prefix) or (text.endswith("\ufffd") and not final):
+            return ""  # nothing yet, or an incomplete character: wait for more tokens
+        new = text[len(prefix) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        if self._prefix > 4 * _WINDOW:  # keep the list short: only the window is ever read
+            del self._ids[: self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+        return new
+
+    def flush(self) -> str:
+        return self._advance(final=True) if self._read < len(self._ids) else ""
