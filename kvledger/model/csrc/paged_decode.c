@@ -34,6 +34,16 @@ static inline void prefetch_rows(const float *p, int64_t n, int64_t row, int64_t
 #define MAX_G 16
 #define MAX_D 256
 
+/* Which block holds a request's blk-th block of context. contig_decode.c includes this file with
+ * KVL_CONTIGUOUS defined, turning it into the contiguous reference kernel: each request's blocks
+ * are one run starting at table[0], so the address is affine in blk and no table entry is read
+ * per block; every loop below is otherwise the same code. Keep every block lookup behind this. */
+#ifdef KVL_CONTIGUOUS
+#define BLOCK_ID(table, blk) (table[0] + (blk))
+#else
+#define BLOCK_ID(table, blk) (table[blk])
+#endif
+
 /* One (request, KV head) item. D and G are compile-time constants at the call sites below
  * (always_inline), so the per-token loops unroll and keep their accumulators in registers. */
 static inline __attribute__((always_inline)) void attend_one(
@@ -46,12 +56,12 @@ static inline __attribute__((always_inline)) void attend_one(
     for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
     /* Scores: every query head of the group against each key, one pass over K. */
     for (int64_t blk = 0, t = 0; blk < nblocks; blk++) {
-        const float *k = kc + table[blk] * bs * row + kvh * D;
+        const float *k = kc + BLOCK_ID(table, blk) * bs * row + kvh * D;
         const int64_t n = len - t < bs ? len - t : bs;
         /* The blocks are scattered, so the hardware prefetcher stops at each block's end: ask
          * for the next block's keys and this block's values (read in the V pass) now. */
-        if (blk + 1 < nblocks) prefetch_rows(kc + table[blk + 1] * bs * row + kvh * D, bs, row, D);
-        prefetch_rows(vc + table[blk] * bs * row + kvh * D, n, row, D);
+        if (blk + 1 < nblocks) prefetch_rows(kc + BLOCK_ID(table, blk + 1) * bs * row + kvh * D, bs, row, D);
+        prefetch_rows(vc + BLOCK_ID(table, blk) * bs * row + kvh * D, n, row, D);
         for (int64_t j = 0; j < n; j++, t++, k += row) {
             __m256 acc[MAX_G];
             for (int64_t g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
@@ -91,7 +101,7 @@ static inline __attribute__((always_inline)) void attend_one(
         __m256 acc[MAX_D / 8];
         for (int64_t d = 0; d < D / 8; d++) acc[d] = _mm256_setzero_ps();
         for (int64_t blk = 0, t = 0; blk < nblocks; blk++) {
-            const float *v = vc + table[blk] * bs * row + kvh * D;
+            const float *v = vc + BLOCK_ID(table, blk) * bs * row + kvh * D;
             const int64_t n = len - t < bs ? len - t : bs;
             for (int64_t j = 0; j < n; j++, t++, v += row) {
                 __m256 pv = _mm256_set1_ps(p[t]);

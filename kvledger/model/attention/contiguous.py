@@ -1,0 +1,134 @@
+"""Contiguous-KV references for decode attention: what paging costs, measured on the same code.
+
+The engine always reads KV through block tables (paged). To price that indirection
+(benchmarks/seed_paging.py), each decode path has a twin that reads one contiguous run of KV
+per request and is otherwise the same code:
+
+- native: ``contig_decode`` calls ``kvl_contig_decode`` (csrc/contig_decode.c), which is
+  csrc/paged_decode.c compiled again with the block address ``first + blk`` instead of
+  ``block_tables[b, blk]``; every loop, prefetch and block-sized chunk is shared.
+- torch: ``paged_decode_torch`` is the torch backend's decode read (``PagedKVCache.read``, an
+  index_select gather of the blocks, then SDPA); ``contiguous_decode_torch`` hands SDPA a view
+  of the contiguous buffer instead of the gathered copy. The SDPA calls are identical.
+
+Only the references live here; the engine never calls them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from kvledger.model import native
+
+
+def _contig_fn():
+    lib = native.library()
+    if lib is None:
+        return None
+    fn = lib.kvl_contig_decode
+    if fn.argtypes is None:  # the same signature as kvl_paged_decode
+        fn.argtypes = lib.kvl_paged_decode.argtypes
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def contig_available() -> bool:
+    return _contig_fn() is not None
+
+
+def contiguous_runs(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> bool:
+    """Whether every request's used blocks are consecutive (block_tables[b, j] = first + j)."""
+    for b in range(block_tables.shape[0]):
+        n = -(-int(seq_lens[b]) // block_size)
+        row = block_tables[b, :n]
+        if not torch.equal(row, row[0] + torch.arange(n, dtype=row.dtype)):
+            return False
+    return True
+
+
+def contig_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    first_blocks: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """native.paged_decode's contract where request b's context is the seq_lens[b] tokens that
+    start at block first_blocks[b] and run on contiguously (no block table is read).
+
+    first_blocks may be a [B] vector or a [B, n] table of which only column 0 is used."""
+    fn = _contig_fn()
+    if fn is None:
+        raise RuntimeError("native kernels are not available on this machine")
+    if first_blocks.dim() == 1:
+        first_blocks = first_blocks[:, None]
+    first_blocks = first_blocks.to(torch.int64).contiguous()
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    ends = first_blocks[:, 0] * block_size + seq_lens
+    if bool((first_blocks[:, 0] < 0).any()) or int(ends.max()) > num_blocks * block_size:
+        raise ValueError("contig_decode: a request's run of blocks passes the end of the cache")
+    rc = fn(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        first_blocks.data_ptr(),
+        first_blocks.stride(0),
+        seq_lens.data_ptr(),
+        rows.data_ptr(),
+        rows.shape[0],
+        out.data_ptr(),
+        out.stride(0),
+        q.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(
+            f"contig_decode: unsupported arguments (q {tuple(q.shape)}, cache {tuple(k_cache.shape)})"
+        )
+
+
+def _sdpa_decode(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The torch backend's batched decode: q [B, H, D], kc/vc [B, S, K, D] -> [B, H * D]."""
+    bsz, num_heads, head_dim = q.shape
+    num_kv_heads = kc.shape[2]
+    mask = None
+    if bsz > 1:
+        valid = torch.arange(kc.shape[1])[None, :] < seq_lens[:, None]
+        mask = torch.zeros(valid.shape, dtype=q.dtype).masked_fill_(~valid, float("-inf"))[
+            :, None, None, :
+        ]
+    else:
+        kc, vc = kc[:, : int(seq_lens[0])], vc[:, : int(seq_lens[0])]
+    qd = q.view(bsz, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(
+        qd, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    return o.reshape(bsz, num_heads * head_dim)
+
+
+def paged_decode_torch(
+    q: torch.Tensor, layer_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The torch path: gather each request's blocks (layer_cache.read), then SDPA."""
+    kc, vc = layer_cache.read(block_tables)  # [B, nb, bs, K, D], a copy
+    return _sdpa_decode(q, kc.flatten(1, 2), vc.flatten(1, 2), seq_lens, scale)
+
+
+def contiguous_decode_torch(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The same SDPA over per-request contiguous buffers k_buf/v_buf [B, S, K, D] (views, no gather)."""
+    return _sdpa_decode(q, k_buf, v_buf, seq_lens, scale)
