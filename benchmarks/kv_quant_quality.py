@@ -82,7 +82,10 @@ def token_logprobs(llm: LLM, segments: list[list[int]]) -> torch.Tensor:
     """log p(token | prefix) of every token after the first of every segment."""
     sp = SamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0)
     outs = llm.generate(segments, sp, use_tqdm=False)
-    return torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]], dtype=torch.float64)
+    return torch.tensor(
+        [d[t].logprob for o in outs for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])],
+        dtype=torch.float64,
+    )
 
 
 def perplexity(logprobs: torch.Tensor) -> float:

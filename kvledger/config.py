@@ -71,10 +71,13 @@ class EngineConfig:
     calibrate_preemption: bool = True  # measure copy bandwidth / prefill rate at start-up
     swap_bandwidth: float | None = None  # bytes/s override for the cost model
     prefill_cost: tuple[float, float, float] | None = None  # (c0, c1, c2) seconds override
+    max_logprobs: int = 20  # vLLM's cap on logprobs / prompt_logprobs per position; -1: none
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ConfigError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         self.scheduler.validate()
         self.cache.validate()
 

@@ -63,9 +63,10 @@ class LLM:
         eng = self.engine
         # Validate everything first so that one bad prompt leaves nothing half-submitted.
         ids = []
-        for p in prompts:
+        for p, sp in zip(prompts, sampling_params):
             toks = eng.tokenize(p) if isinstance(p, str) else list(p)
             eng.validate_prompt(toks)
+            eng.check_logprobs(sp)
             ids.append(toks)
         rids = []
         for p, toks, sp in zip(prompts, ids, sampling_params):

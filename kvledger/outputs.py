@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvledger.core.request import Logprob
+from kvledger.logprobs import PromptLogprobs, SampleLogprobs
 
 
 @dataclass
@@ -18,7 +18,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[Logprob] | None
+    logprobs: SampleLogprobs | None  # one {token id: Logprob} per generated token
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -46,7 +46,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    prompt_logprobs: list[Logprob | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # the first entry is None
     metrics: RequestMetrics | None = None
 
     def add(self, next_output: RequestOutput, aggregate: bool = True) -> None:

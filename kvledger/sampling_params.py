@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 
 from kvledger.errors import InvalidRequestError
 
-_MAX_LOGPROBS = 20
-
 
 class RequestOutputKind(enum.Enum):
     """What each RequestOutput of a stream carries (vLLM's names and values)."""
@@ -32,8 +30,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # top-k alternatives beside the sampled token
-    prompt_logprobs: int | None = None
+    logprobs: int | None = None  # top-k alternatives beside the sampled token; -1: all
+    prompt_logprobs: int | None = None  # the engine caps both at max_logprobs (default 20)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -67,8 +65,8 @@ class SamplingParams:
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or not 0 <= v <= _MAX_LOGPROBS):
-                bad(f"{name} must be an integer in [0, {_MAX_LOGPROBS}], got {v!r}")
+            if v is not None and (not isinstance(v, int) or v < -1):
+                bad(f"{name} must be an integer >= 0, or -1 for the whole vocabulary; got {v!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

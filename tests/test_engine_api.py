@@ -46,7 +46,8 @@ def test_bad_prompts_are_rejected_and_nothing_else_is_disturbed(llm, prompt, par
         ({"top_p": 1.5}, "top_p"),
         ({"temperature": -1}, "temperature"),
         ({"n": 0}, "n must"),
-        ({"logprobs": 50}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
@@ -113,25 +114,59 @@ def test_logprobs_and_prompt_logprobs_match_hf(stories_path, llm):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
     assert out.prompt_logprobs[0] is None
-    for i in range(1, len(ids)):
-        lp = out.prompt_logprobs[i]
-        assert lp.token_id == ids[i]
-        assert math.isclose(lp.logprob, ref[i - 1, ids[i]].item(), abs_tol=1e-4)
-        assert len(lp.top) == 2
-    nll = -sum(lp.logprob for lp in out.prompt_logprobs[1:]) / (len(ids) - 1)
+    assert len(out.prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):  # vLLM's shape: {token id: Logprob(logprob, rank, decoded_token)}
+        d = out.prompt_logprobs[i]
+        lp = d[ids[i]]
+        row = ref[i - 1]
+        assert math.isclose(lp.logprob, row[ids[i]].item(), abs_tol=1e-4)
+        assert lp.rank == int((row > row[ids[i]]).sum()) + 1
+        assert lp.decoded_token == tok.decode([ids[i]])
+        assert set(row.topk(2).indices.tolist()) <= set(d) and len(d) in (2, 3)
+        assert next(iter(d)) == ids[i]  # the prompt's own token first, as vLLM orders them
+    nll = -sum(d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])) / (len(ids) - 1)
     ref_nll = -sum(ref[i - 1, ids[i]].item() for i in range(1, len(ids))) / (len(ids) - 1)
     assert math.isclose(math.exp(nll), math.exp(ref_nll), rel_tol=1e-4)
     c = out.outputs[0]
     assert len(c.logprobs) == 5
-    for lp, t in zip(c.logprobs, c.token_ids):
-        assert lp.token_id == t and len(lp.top) == 3
-        assert max(lp.top.values()) == pytest.approx(lp.logprob)  # greedy: the top-1 token
+    for d, t in zip(c.logprobs, c.token_ids):
+        assert next(iter(d)) == t and len(d) == 3  # greedy: the sampled token is the top-1
+        assert d[t].rank == 1 and [lp.rank for lp in d.values()] == [1, 2, 3]
+        assert max(lp.logprob for lp in d.values()) == pytest.approx(d[t].logprob)
+        assert d[t].decoded_token == tok.decode([t])
+    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))
     # Prompt logprobs with chunked prefill: the same numbers.
     chunked = LLM(str(stories_path), max_num_batched_tokens=8, calibrate_preemption=False)
     out2 = chunked.generate([ids], sp, use_tqdm=False)[0]
-    assert [p.logprob for p in out2.prompt_logprobs[1:]] == pytest.approx(
-        [p.logprob for p in out.prompt_logprobs[1:]], abs=1e-5
+    assert [d[t].logprob for d, t in zip(out2.prompt_logprobs[1:], ids[1:])] == pytest.approx(
+        [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])], abs=1e-5
     )
+
+
+def test_vllm_style_logprob_code_runs_and_whole_vocab_is_capped(stories_path, llm):
+    from kvledger.logprobs import Logprob
+    from kvledger.sequence import Logprob as SeqLogprob
+
+    assert SeqLogprob is Logprob
+    sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0, logprobs=0)
+    out = llm.generate(["Once upon a time"], sp, use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    # What vLLM users write: the prompt's perplexity from prompt_logprobs[1:].
+    lps = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])]
+    assert len(lps) == len(ids) - 1 and all(x <= 0 for x in lps)
+    assert all(len(d) == 1 for d in out.outputs[0].logprobs)
+    # logprobs=-1 is the whole vocabulary, refused past max_logprobs (20 by default).
+    with pytest.raises(InvalidRequestError, match="logprobs of 512.*max_logprobs"):
+        llm.generate(["Once"], SamplingParams(max_tokens=2, logprobs=-1), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="prompt logprobs of 21"):
+        llm.generate(["Once"], SamplingParams(max_tokens=2, prompt_logprobs=21), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    wide = LLM(str(stories_path), calibrate_preemption=False, max_logprobs=-1, num_kv_blocks=16)
+    c = wide.generate(["Once"], SamplingParams(max_tokens=2, logprobs=-1), use_tqdm=False)[0].outputs[0]
+    for d, t in zip(c.logprobs, c.token_ids):
+        assert len(d) == 512 and next(iter(d)) == t
+        assert sorted(lp.rank for lp in d.values()) == list(range(1, 513))
+        assert math.isclose(sum(math.exp(lp.logprob) for lp in d.values()), 1.0, rel_tol=1e-4)
 
 
 def test_ledger_returns_to_zero_and_reports(llm):

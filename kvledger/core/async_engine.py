@@ -103,8 +103,6 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
         self.dead: BaseException | None = None
-        # Token id -> text for logprobs; filled by the engine thread, where decoding is safe.
-        self.token_text: dict[int, str] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -265,10 +263,8 @@ class AsyncEngine:
                         else:
                             self._resolve(fut, result, None)
                     outs = eng.step() if eng.has_unfinished_requests() else []
-                    if outs:
-                        self._fill_token_text(outs)
-                        if self.observer is not None:
-                            self.observer.on_outputs(outs)
+                    if outs and self.observer is not None:
+                        self.observer.on_outputs(outs)
                 if outs:
                     self._post(self._dispatch, outs)
                 else:  # a prefill chunk, or no progress at all: never spin hot
@@ -286,18 +282,6 @@ class AsyncEngine:
             for _, fut in ops:
                 self._resolve(fut, None, err)
             self._post(self._fail_all, err)
-
-    def _fill_token_text(self, outs: list[RequestOutput]) -> None:
-        """Decode the tokens logprobs mention, here where the tokenizer is safe to use."""
-        tok, cache = self.engine.tokenizer, self.token_text
-        if tok is None:
-            return
-        for out in outs:
-            for c in out.outputs:
-                for lp in c.logprobs or ():
-                    for t in (lp.token_id, *lp.top):
-                        if t not in cache:
-                            cache[t] = tok.decode([t])
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         loop = self._loop

@@ -21,6 +21,7 @@ from kvledger.core.scheduler import Scheduler, SchedulerOutput
 from kvledger.errors import ConfigError, InvalidRequestError
 from kvledger.ledger.accounting import ModelSpec, kv_bytes_per_token, per_request_overhead_bytes
 from kvledger.ledger.snapshot import LedgerSnapshot
+from kvledger.logprobs import Logprob
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
 from kvledger.model.loader import load_model, load_tokenizer
 from kvledger.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -131,6 +132,7 @@ class LLMEngine:
         self.swap_stats = {"out_blocks": 0, "in_blocks": 0, "out_s": 0.0, "in_s": 0.0}
         self.num_generated_tokens = 0
         self.stream_outputs = False  # True: step() reports every updated request (servers)
+        self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs
 
     # -- sizing -------------------------------------------------------------------------------
     def _plan_overlay(self, kv_dtype: str) -> tuple[int, int]:
@@ -195,6 +197,20 @@ class LLMEngine:
                 f"{self.kv.pool.num_blocks}"
             )
 
+    def check_logprobs(self, params: SamplingParams) -> None:
+        """Logprob counts within ``max_logprobs`` (-1: no cap); -1 asks for the whole vocabulary."""
+        cap = self.config.max_logprobs
+        for what, k in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if k is None:
+                continue
+            n = self.vocab_size if k == -1 else k
+            if cap != -1 and n > cap:
+                raise InvalidRequestError(
+                    f"Requested {what} logprobs of {n}"
+                    + (" (-1: the whole vocabulary)" if k == -1 else "")
+                    + f", which is greater than max allowed: {cap} (max_logprobs)"
+                )
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -204,6 +220,7 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         params = params or SamplingParams()
+        self.check_logprobs(params)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenize(prompt)
         else:
@@ -266,6 +283,8 @@ class LLMEngine:
         now = time.monotonic()
         touched: set[str] = set()
         for rid, lps in ro.prompt_logprobs.items():
+            for d in lps:
+                self._decode_logprobs(d)
             self.scheduler.requests[rid].prompt_logprobs.extend(lps)
         for req in self.scheduler.update_after_step(so, now):
             children = req.children if req.num_output_tokens == 0 else []
@@ -294,8 +313,9 @@ class LLMEngine:
         self.num_generated_tokens += 1
         lp = ro.logprobs.get(req.request_id)
         if lp is not None:
+            self._decode_logprobs(lp)
             req.logprobs.append(lp)
-            req.cumulative_logprob += lp.logprob
+            req.cumulative_logprob += lp[token].logprob
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now
@@ -307,6 +327,18 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish_request(req, reason)
             req.finished_time = now
+
+    def _decode_logprobs(self, d: dict[int, Logprob]) -> None:
+        """Fill each Logprob's ``decoded_token`` (the token's text alone, cached by id)."""
+        tok = self.tokenizer
+        if tok is None:
+            return
+        cache = self._token_text
+        for t, lp in d.items():
+            text = cache.get(t)
+            if text is None:
+                text = cache[t] = tok.decode([t])
+            lp.decoded_token = text
 
     def _check_stop(self, req: Request, token: int) -> str | None:
         """The token-level stops: EOS, a stop token id, the length cap."""

@@ -16,18 +16,19 @@ import numpy as np
 import torch
 
 from kvledger.cache.kv_cache_manager import KVCacheManager
-from kvledger.core.request import Logprob, Request
+from kvledger.core.request import Request
 from kvledger.core.scheduler import SchedulerOutput
+from kvledger.logprobs import Logprob
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
-from kvledger.model.sampler import SampleRequest, make_logprob, sample
+from kvledger.model.sampler import SampleRequest, make_logprobs, sample
 
 
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, Logprob | None] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, Logprob] | None] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     swap_out_seconds: float = 0.0
     swap_in_seconds: float = 0.0
 
@@ -155,9 +156,7 @@ class ModelRunner:
             off += count
             targets = req.all_token_ids[start + 1 : start + 1 + count]
             k = req.sampling_params.prompt_logprobs
-            out.prompt_logprobs[req.request_id] = [
-                make_logprob(lp[j], t, k) for j, t in enumerate(targets)
-            ]
+            out.prompt_logprobs[req.request_id] = make_logprobs(lp, targets, k)
         return out
 
     def _build_metadata(

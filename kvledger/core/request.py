@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvledger.logprobs import Logprob
 from kvledger.sampling_params import SamplingParams
 
 
@@ -14,13 +15,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
-
-
-@dataclass
-class Logprob:
-    token_id: int
-    logprob: float
-    top: dict[int, float] = field(default_factory=dict)  # top-k alternatives
 
 
 @dataclass(eq=False, slots=True)
@@ -35,9 +29,9 @@ class Request:
     max_total_tokens: int = 0  # prompt + output cap (the model's context)
     # Sampling state.
     output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprob] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # vLLM's SampleLogprobs
     cumulative_logprob: float = 0.0
-    prompt_logprobs: list[Logprob | None] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # positions 1..
     # Scheduling state.
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

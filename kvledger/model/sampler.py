@@ -3,7 +3,8 @@
 Greedy rows take the argmax of the raw logits (exactly what HF's greedy search does). Random
 rows are sampled with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which draws
 from p exactly; a seeded request draws E from its own generator, so its tokens do not depend
-on what else is in the batch. Logprobs are those of the raw model distribution.
+on what else is in the batch. Logprobs are those of the raw model distribution (vLLM's
+default ``raw_logprobs``), as vLLM's dicts: the sampled token (with its rank) and the top-k.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvledger.core.request import Logprob
+from kvledger.logprobs import Logprob
 from kvledger.sampling_params import SamplingParams
 
 
@@ -49,7 +50,7 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 def sample(
     logits: torch.Tensor, reqs: list[SampleRequest], default_generator: torch.Generator | None = None
-) -> tuple[list[int], list[Logprob | None]]:
+) -> tuple[list[int], list[dict[int, Logprob] | None]]:
     """Sample one token per row of ``logits`` [N, vocab] (float32)."""
     n = logits.shape[0]
     tokens = logits.argmax(dim=-1)
@@ -67,18 +68,39 @@ def sample(
                 noise[j].exponential_(generator=reqs[i].generator)
         tokens[rand_rows] = (probs / noise).argmax(dim=-1)
     token_list = tokens.tolist()
-    logprobs: list[Logprob | None] = [None] * n
-    want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-    if want:
-        lp = logits[want].log_softmax(dim=-1)
-        for j, i in enumerate(want):
-            logprobs[i] = make_logprob(lp[j], token_list[i], reqs[i].params.logprobs)
+    logprobs: list[dict[int, Logprob] | None] = [None] * n
+    want: dict[int, list[int]] = {}  # number of alternatives -> rows
+    for i, r in enumerate(reqs):
+        if r.params.logprobs is not None:
+            want.setdefault(r.params.logprobs, []).append(i)
+    for k, rows in want.items():
+        lp = logits[rows].log_softmax(dim=-1)
+        for i, d in zip(rows, make_logprobs(lp, [token_list[i] for i in rows], k)):
+            logprobs[i] = d
     return token_list, logprobs
 
 
-def make_logprob(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> Logprob:
-    top: dict[int, float] = {}
-    if num_top:
-        vals, idx = row_logprobs.topk(num_top)
-        top = dict(zip(idx.tolist(), vals.tolist()))
-    return Logprob(token_id=token_id, logprob=float(row_logprobs[token_id]), top=top)
+def make_logprobs(
+    row_logprobs: torch.Tensor, token_ids: list[int], num_top: int
+) -> list[dict[int, Logprob]]:
+    """Per row: {chosen token: its Logprob (rank among the vocabulary), then the top
+    ``num_top`` (-1: the whole vocabulary) by rank}, as vLLM returns them."""
+    rows, vocab = row_logprobs.shape
+    k = vocab if num_top < 0 else min(num_top, vocab)
+    ids = torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)
+    chosen = row_logprobs.gather(1, ids)
+    ranks = ((row_logprobs > chosen).sum(dim=1) + 1).tolist()
+    chosen_list = chosen.squeeze(1).tolist()
+    top_vals: list[list[float]] = [[] for _ in range(rows)]
+    top_idx: list[list[int]] = [[] for _ in range(rows)]
+    if k:
+        vals, idx = row_logprobs.topk(k, dim=-1)
+        top_vals, top_idx = vals.tolist(), idx.tolist()
+    out = []
+    for j, t in enumerate(token_ids):
+        d = {t: Logprob(chosen_list[j], ranks[j])}
+        for r, (i, v) in enumerate(zip(top_idx[j], top_vals[j]), start=1):
+            if i != t:
+                d[i] = Logprob(v, r)
+        out.append(d)
+    return out

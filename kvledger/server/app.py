@@ -26,8 +26,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvledger.core.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvledger.core.engine import LLMEngine
-from kvledger.core.request import Logprob
 from kvledger.errors import KVLedgerError
+from kvledger.logprobs import Logprob
 from kvledger.outputs import CompletionOutput, RequestOutput, merge_deltas
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
 from kvledger.server.metrics import EngineState, ServerMetrics
@@ -383,37 +383,44 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             parts[i].append(out)
         return [merge_deltas(p) if p else None for p in parts]  # type: ignore[misc]
 
-    def text_of(t: int) -> str:
-        return aengine.token_text.get(t, "")
-
-    def completion_logprobs(lps: list[Logprob], offset: int) -> CompletionLogprobs:
+    def completion_logprobs(lps: list[dict[int, Logprob]], offset: int) -> CompletionLogprobs:
+        """OpenAI's completion logprobs from vLLM-shaped dicts (sampled token first)."""
         res = CompletionLogprobs()
-        for lp in lps:
-            tok = text_of(lp.token_id)
-            top = {text_of(k): _clamp(v) for k, v in lp.top.items()}
-            top.setdefault(tok, _clamp(lp.logprob))
+        for d in lps:
+            chosen = next(iter(d.values()))
+            tok = chosen.decoded_token or ""
+            top: dict[str, float] = {}
+            for lp in d.values():
+                top.setdefault(lp.decoded_token or "", _clamp(lp.logprob))
             res.tokens.append(tok)
-            res.token_logprobs.append(_clamp(lp.logprob))
+            res.token_logprobs.append(_clamp(chosen.logprob))
             res.top_logprobs.append(top)
             res.text_offset.append(offset)
             offset += len(tok)
         return res
 
-    def chat_logprobs(lps: list[Logprob]) -> ChatLogprobs:
+    def chat_logprobs(lps: list[dict[int, Logprob]], num_top: int) -> ChatLogprobs:
+        """OpenAI's chat logprobs: the sampled token, and the ``num_top`` most likely."""
         content = []
-        for lp in lps:
-            tok = text_of(lp.token_id)
-            tops = sorted(lp.top.items(), key=lambda kv: -kv[1])
+        for d in lps:
+            chosen = next(iter(d.values()))
+            tok = chosen.decoded_token or ""
+            tops = sorted(
+                (lp for lp in d.values() if lp.rank is not None and lp.rank <= num_top),
+                key=lambda lp: lp.rank,
+            )[:num_top]
             content.append(
                 TokenLogprob(
                     token=tok,
-                    logprob=_clamp(lp.logprob),
+                    logprob=_clamp(chosen.logprob),
                     bytes=list(tok.encode()),
                     top_logprobs=[
                         TopLogprob(
-                            token=text_of(k), logprob=_clamp(v), bytes=list(text_of(k).encode())
+                            token=lp.decoded_token or "",
+                            logprob=_clamp(lp.logprob),
+                            bytes=list((lp.decoded_token or "").encode()),
                         )
-                        for k, v in tops
+                        for lp in tops
                     ],
                 )
             )
@@ -595,7 +602,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             ChatChoice(
                 index=c.index,
                 message=ChatResponseMessage(content=c.text),
-                logprobs=chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                logprobs=chat_logprobs(c.logprobs, params.logprobs or 0)
+                if c.logprobs is not None
+                else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
@@ -652,7 +661,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                     if step is None:
                         continue
                     text, _, finished = step
-                    lps = chat_logprobs(c.logprobs) if c.logprobs is not None else None
+                    lps = (
+                        chat_logprobs(c.logprobs, params.logprobs or 0)
+                        if c.logprobs is not None
+                        else None
+                    )
                     yield chunk(
                         c.index,
                         DeltaMessage(content=text),
