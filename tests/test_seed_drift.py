@@ -21,7 +21,7 @@ def test_drift_is_zero_for_full_precision_against_itself_and_not_for_int8(storie
     lp = a.generate([seq], SamplingParams(prompt_logprobs=0, max_tokens=1), use_tqdm=False)[
         0
     ].prompt_logprobs
-    want = torch.tensor([x.logprob for x in lp[1:]], dtype=torch.float64)
+    want = torch.tensor([d[t].logprob for d, t in zip(lp[1:], seq[1:])], dtype=torch.float64)
     got = torch.log_softmax(ref.double(), -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
     assert torch.allclose(got, want, atol=1e-5)
 
