@@ -14,11 +14,16 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from kvledger.model.attention.metadata import AttentionMetadata
@@ -61,7 +66,7 @@ def tiny_config(kind: str) -> PretrainedConfig:
                 "factor": 8.0,
                 "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
+                "original_max_position_embeddings": 48,
             },
             rope_theta=500000.0,
         )
@@ -72,6 +77,55 @@ def tiny_config(kind: str) -> PretrainedConfig:
     if kind == "mistral":
         return MistralConfig(
             **_COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=4096
+        )
+    if kind == "mistral_window":  # every layer sliding, a window a few blocks long
+        return MistralConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=9)
+    if kind in ("llama_linear", "llama_dynamic", "llama_yarn"):
+        rope = {"rope_type": kind.removeprefix("llama_"), "factor": 4.0, "rope_theta": 10000.0}
+        if kind == "llama_yarn":
+            rope |= {"original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2}
+        return LlamaConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope)
+    if kind == "gemma2":  # alternating sliding/full layers, both soft-caps, query scalar != head_dim
+        return Gemma2Config(
+            **{**_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 3},
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=7,
+            query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+            pad_token_id=0,
+        )
+    if kind == "gemma3":  # two local layers per global one, local/global RoPE bases, linear scaling
+        return Gemma3TextConfig(
+            **{**_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 3},
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+            query_pre_attn_scalar=24, final_logit_softcapping=8.0, pad_token_id=0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        )
+    if kind == "phi3":  # LongRoPE with a partial rotary (Phi-4-mini style)
+        rd = 4  # head_dim 8, half of it rotated
+        return Phi3Config(
+            **{**_COMMON, "max_position_embeddings": 256},
+            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+            original_max_position_embeddings=48,
+            rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "factor": 256 / 48,
+                "short_factor": [1.0 + 0.1 * i for i in range(rd // 2)],
+                "long_factor": [2.0 + 0.5 * i for i in range(rd // 2)],
+                "original_max_position_embeddings": 48,
+            },
+        )
+    if kind == "mixtral":
+        return MixtralConfig(
+            **_COMMON, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    if kind == "qwen3_moe":  # a dense layer after a sparse one, no top-k renormalisation
+        return Qwen3MoeConfig(
+            **_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=5,
+            num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False,
+            mlp_only_layers=[1],
         )
     raise ValueError(kind)
 

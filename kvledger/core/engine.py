@@ -19,7 +19,12 @@ from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.request import Request, RequestStatus
 from kvledger.core.scheduler import Scheduler, SchedulerOutput
 from kvledger.errors import ConfigError, InvalidRequestError
-from kvledger.ledger.accounting import ModelSpec, kv_bytes_per_token, per_request_overhead_bytes
+from kvledger.ledger.accounting import (
+    QUANTIZED_KV_DTYPES,
+    ModelSpec,
+    kv_bytes_per_token,
+    per_request_overhead_bytes,
+)
 from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.logprobs import Logprob
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
@@ -62,7 +67,7 @@ class LLMEngine:
         self.model_dtype = loaded.dtype
         self.hf_config = loaded.hf_config
         self.eos_token_ids = tuple(loaded.eos_token_ids)
-        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.vocab_size = loaded.config.vocab_size
         sc, cc = config.scheduler, config.cache
         if sc.max_model_len is None:
             sc.max_model_len = loaded.max_model_len
@@ -79,6 +84,12 @@ class LLMEngine:
 
         self.spec = ModelSpec.from_hf_config(self.hf_config, name=str(config.model))
         kv_dtype = _plan_kv_dtype(cc.kv_cache_dtype, self.model_dtype)
+        mc = loaded.config
+        if kv_dtype in QUANTIZED_KV_DTYPES and (mc.layer_types or mc.attn_softcap):
+            raise ConfigError(
+                f"kv_cache_dtype {cc.kv_cache_dtype} is not supported for {mc.architecture} with "
+                "sliding-window or soft-capped attention; use kv_cache_dtype auto"
+            )
         kv_bytes = kv_bytes_per_token(self.spec, kv_dtype)
         self.bytes_per_token = kv_bytes.total  # K/V data + quantisation scales
         self.scale_bytes_per_token = kv_bytes.scale_bytes

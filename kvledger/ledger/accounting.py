@@ -54,6 +54,20 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
     weight_bytes: int | None = None  # measured from a safetensors checkpoint, when there is one
+    # Per layer: "full_attention" or "sliding_attention" (None: every layer full). A sliding
+    # layer attends to its last `sliding_window` tokens only, so it never needs more KV.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+
+    @property
+    def num_sliding_layers(self) -> int:
+        if not self.layer_types or not self.sliding_window:
+            return 0
+        return sum(t == SLIDING for t in self.layer_types)
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.num_layers - self.num_sliding_layers
 
     @property
     def dtype_bytes(self) -> int:
@@ -63,8 +77,7 @@ class ModelSpec:
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         """Read a Hugging Face config.json dict; missing KV heads mean MHA, missing head_dim
         means hidden_size // num_attention_heads, as in transformers."""
-        if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
-            cfg = {**cfg, **cfg["text_config"]}  # multimodal wrappers keep the LM in text_config
+        cfg = text_config(cfg)
         layers = _positive_int(cfg, "num_hidden_layers", name)
         heads = _positive_int(cfg, "num_attention_heads", name)
         hidden = _positive_int(cfg, "hidden_size", name)
@@ -105,7 +118,11 @@ class ModelSpec:
             if cfg.get("intermediate_size") is None
             else _positive_int(cfg, "intermediate_size", name)
         )
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = architecture(cfg) or "LlamaForCausalLM"
+        types = layer_types(cfg, arch, layers)
+        window = None
+        if types is not None:
+            window = _positive_int(cfg, "sliding_window", name)
         spec = cls(
             name=name,
             num_layers=layers,
@@ -118,9 +135,74 @@ class ModelSpec:
             max_position_embeddings=max_pos,
             intermediate_size=inter,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            architecture=str(archs[0]),
+            architecture=arch,
+            layer_types=types,
+            sliding_window=window,
         )
         return replace(spec, num_params=estimate_num_params(spec))
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+# config.json "model_type" -> architecture, for configs saved without "architectures".
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal wrappers (Gemma 3, Llava...) keep the language model in text_config."""
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        return {**cfg, **cfg["text_config"]}
+    return cfg
+
+
+def architecture(cfg: dict[str, Any]) -> str | None:
+    """The config's first "architectures" entry, else the one its model_type implies."""
+    archs = cfg.get("architectures") or []
+    if archs:
+        return str(archs[0])
+    model_type = cfg.get("model_type")
+    return MODEL_TYPES.get(model_type, model_type) if model_type else None
+
+
+def layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[str, ...] | None:
+    """Which layers attend through a sliding window, as transformers decides it; None when no
+    layer does (so "no window" has one spelling)."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is not None:
+        types = tuple(str(t) for t in types)
+        if len(types) != num_layers:
+            raise ConfigError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        unknown = sorted(set(types) - {FULL, SLIDING})
+        if unknown:
+            raise ConfigError(f"unsupported layer type(s) {', '.join(unknown)}; supported: {FULL}, {SLIDING}")
+    elif not window:
+        return None
+    elif arch.startswith("Gemma2"):
+        types = tuple(SLIDING if (i + 1) % 2 else FULL for i in range(num_layers))
+    elif arch.startswith("Gemma3"):
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        types = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+    elif arch.startswith(("Qwen2", "Qwen3")):
+        if not cfg.get("use_sliding_window"):
+            return None
+        first = int(cfg.get("max_window_layers") or 0)
+        types = tuple(SLIDING if i >= first else FULL for i in range(num_layers))
+    else:  # Mistral, Mixtral, Phi-3: every layer, whenever a window is set
+        types = (SLIDING,) * num_layers
+    if SLIDING not in types or not window:
+        return None
+    return types
 
 
 def _positive_int(cfg: dict[str, Any], key: str, name: str) -> int:

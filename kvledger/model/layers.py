@@ -83,14 +83,22 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, exactly as HF's LlamaRMSNorm."""
+    """RMSNorm computed in float32 and cast back before the weight, exactly as HF's LlamaRMSNorm.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    ``unit_offset`` (Gemma): the checkpoint stores w and the scale is (1 + w), applied in float32
+    before the cast back, as HF's GemmaRMSNorm does.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.eps = eps
+        self.unit_offset = unit_offset
+        self._scale: torch.Tensor | None = None  # 1 + w in float32, made on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            return self._forward_offset(x)
         input_dtype = x.dtype
         if x.shape[-1] % 8 == 0 and native.available(x) and self.weight.dtype == torch.float32:
             return native.rms_norm(x, self.weight, self.eps)
@@ -102,15 +110,24 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(input_dtype)
 
+    def _forward_offset(self, x: torch.Tensor) -> torch.Tensor:
+        if self._scale is None or self._scale.device != self.weight.device:
+            self._scale = 1.0 + self.weight.detach().float()
+        if x.dtype == torch.float32:
+            if x.shape[-1] % 8 == 0 and native.available(x):
+                return native.rms_norm(x, self._scale, self.eps)
+            return F.rms_norm(x, self._scale.shape, self._scale, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self._scale).to(x.dtype)
 
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: dict | None, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Inverse frequencies as HF computes them: default RoPE, or Llama 3.1's piecewise rescaling."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if scaling is None:
-        return inv_freq
+
+def _default_inv_freq(dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    return 1.0 / (theta**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
     high_freq_factor = scaling["high_freq_factor"]
@@ -125,11 +142,95 @@ def rope_inv_freq(
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict, device) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate the low frequencies, keep the high ones, blend by a linear ramp."""
+    factor = scaling["factor"]
+    orig = scaling["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep, attention_factor
+
+
+def _longrope_inv_freq(
+    dim: int, theta: float, scaling: dict, max_positions: int, device
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-frequency rescale factors, short ones up to the original context
+    and long ones past it; (short inv_freq, long inv_freq, attention scaling)."""
+    orig = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / orig
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    out = []
+    for key in ("short_factor", "long_factor"):
+        ext = torch.tensor(scaling[key], dtype=torch.float32, device=device)
+        out.append(1.0 / (ext * theta**shape))
+    return out[0], out[1], attention_factor
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Inverse frequencies as HF computes them (default, llama3, linear, dynamic, yarn; the
+    short set for longrope). See RotaryEmbedding for the attention scaling and longrope."""
+    return _inv_freqs(head_dim, theta, scaling, 0, device)[0]
+
+
+def _inv_freqs(
+    dim: int, theta: float, scaling: dict | None, max_positions: int, device
+) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """(inv_freq, long inv_freq or None, attention scaling) for one RoPE configuration."""
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type in ("default", "dynamic"):
+        # Dynamic NTK changes the base only past max_position_embeddings, which kvledger's
+        # context never exceeds (the loader caps max_model_len there): default frequencies.
+        return _default_inv_freq(dim, theta, device), None, 1.0
+    if rope_type == "linear":
+        return _default_inv_freq(dim, theta, device) / scaling["factor"], None, 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(_default_inv_freq(dim, theta, device), scaling), None, 1.0
+    if rope_type == "yarn":
+        inv, att = _yarn_inv_freq(dim, theta, scaling, device)
+        return inv, None, att
+    if rope_type == "longrope":
+        return _longrope_inv_freq(dim, theta, scaling, max_positions, device)
+    raise ValueError(f"unsupported RoPE type {rope_type!r}")
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with float32 cos/sin tables precomputed for every position.
 
     The table entries are the same elementwise ops HF runs per call (position * inv_freq, then
-    cos/sin), so looking them up by position reproduces HF's values.
+    cos/sin, times the attention scaling), so looking them up by position reproduces HF's
+    values. ``rotary_dim`` < head_dim (partial rotary, Phi-4-mini) rotates the first dims only.
+
+    LongRoPE keeps two tables one after the other: rows [0, P) with the short factors and
+    rows [P, 2P) with the long ones. HF picks the long set for a whole forward call once its
+    sequence exceeds the original context; ``table_index`` reproduces that per request.
     """
 
     def __init__(
@@ -139,23 +240,44 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         scaling: dict | None = None,
         device: torch.device | str = "cpu",
+        rotary_dim: int | None = None,
+        model_max_positions: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq, long_inv_freq, attention_scaling = _inv_freqs(
+            self.rotary_dim, theta, scaling, model_max_positions or max_positions, device
+        )
+        self.long_from: int | None = None  # sequences longer than this use the long table
+        self.num_positions = max_positions
         positions = torch.arange(max_positions, device=device, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        tables = [inv_freq] if long_inv_freq is None else [inv_freq, long_inv_freq]
+        if long_inv_freq is not None:
+            self.long_from = int(scaling["original_max_position_embeddings"])
+        cos, sin = [], []
+        for inv in tables:
+            freqs = positions[:, None] * inv[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos.append(emb.cos() * attention_scaling)
+            sin.append(emb.sin() * attention_scaling)
+        self.register_buffer("cos_cache", torch.cat(cos), persistent=False)
+        self.register_buffer("sin_cache", torch.cat(sin), persistent=False)
 
     @property
     def max_positions(self) -> int:
-        return self.cos_cache.shape[0]
+        return self.num_positions
+
+    def table_index(self, positions: torch.Tensor, token_seq_lens: torch.Tensor | None) -> torch.Tensor:
+        """Row of each token's cos/sin: its position, or position + P where its request's
+        sequence (after this step) is longer than the original context (LongRoPE)."""
+        if self.long_from is None or token_seq_lens is None:
+            return positions
+        return positions + (token_seq_lens > self.long_from).long() * self.num_positions
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim] in the model dtype (computed once per step, shared by all layers)."""
+        """cos, sin of shape [T, 1, rotary_dim] in the model dtype (computed once per step, shared by all layers)."""
         cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
@@ -189,22 +311,47 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]. Same expression as HF."""
-    return (x * cos) + (rotate_half(x) * sin)
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, rotary_dim]. Same expression as HF; with a
+    partial rotary the dims past rotary_dim pass through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return (x * cos) + (rotate_half(x) * sin)
+    rot, rest = x[..., :rd], x[..., rd:]
+    return torch.cat(((rot * cos) + (rotate_half(rot) * sin), rest), dim=-1)
+
+
+def activation(name: str):
+    """The MLP activations of the supported families, by their HF names."""
+    if name == "silu":
+        return F.silu
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"unsupported activation {name!r}")
 
 
 class GatedMLP(nn.Module):
     """SiLU-gated MLP with gate and up fused into one matmul ([gate; up] rows)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"
+    ) -> None:
         super().__init__()
+        self.act_name = act
+        self.act = activation(act)
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.intermediate_size % 8 == 0 and gate_up.dim() == 2 and native.available(gate_up):
+        if (
+            self.act_name == "silu"
+            and self.intermediate_size % 8 == 0
+            and gate_up.dim() == 2
+            and native.available(gate_up)
+        ):
             return self.down_proj(native.silu_mul(gate_up.contiguous()))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat batch of tokens and a paged KV cache.
+"""The decoder for every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, Mixtral,
+Qwen3-MoE) over a flat batch of tokens and a paged KV cache.
 
 One forward per engine step: the tokens of all scheduled requests (prefill chunks and decodes)
 are concatenated, and the attention backend maps them to their requests via AttentionMetadata.
-The four architectures differ only in config flags (biases, q/k norm), so one class covers them.
+The families differ in config facts only (biases, q/k norms, Gemma's norm offset, sandwich
+norms, embedding scale, soft-capping, sliding-window layers with their own RoPE, MoE MLPs),
+so one class covers them, each option following its HF model's order of operations.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvledger.ledger.accounting import SLIDING
 from kvledger.model import native
 from kvledger.model.attention.backend import AttentionBackend
 from kvledger.model.attention.metadata import AttentionMetadata
@@ -27,11 +31,13 @@ from kvledger.model.layers import (
     RotaryEmbedding,
     apply_rotary,
 )
+from kvledger.model.moe import SparseMoE
 
 
 @dataclass
 class ModelConfig:
-    """The architecture facts the model needs, normalised from an HF config.json by the loader."""
+    """The architecture facts the model needs, normalised from an HF config.json by the loader
+    (the shape fields come from ModelSpec.from_hf_config, the one place a config is read)."""
 
     architecture: str
     vocab_size: int
@@ -43,30 +49,57 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # llama3 parameters, None for default RoPE
+    rope_scaling: dict | None  # {"rope_type": ..., parameters}; None for default RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm on q and k before RoPE
+    layer_types: tuple[str, ...] | None = None  # None: every layer full attention
+    sliding_window: int | None = None
+    # Sliding layers' own RoPE (Gemma 3's local base); None: the same RoPE as full layers.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
+    rotary_dim: int | None = None  # partial rotary (Phi-4-mini); None: head_dim
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False  # Gemma: RMSNorm scale is (1 + w)
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # Gemma 2: tanh soft-capping of attention scores
+    final_softcap: float | None = None  # Gemma 2/3: tanh soft-capping of the logits
+    num_experts: int = 0  # > 0: sparse MoE MLP (Mixtral, Qwen3-MoE)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] | None = None  # which layers are sparse (None: all, with experts)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types and self.sliding_window and self.layer_types[layer] == SLIDING)
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
+        self.softcap = cfg.attn_softcap
+        self.local_rope = cfg.is_sliding(layer) and cfg.local_rope_theta is not None
         # q, k, v in one matmul: one weight read and one dispatch instead of three.
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
         else:
             self.q_norm = self.k_norm = None
 
@@ -99,17 +132,39 @@ class Attention(nn.Module):
             k = qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
             q = apply_rotary(self.q_norm(q), cos, sin)
             k = apply_rotary(self.k_norm(k), cos, sin)
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if self.window is None and self.softcap is None:
+            o = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        else:
+            o = backend.forward(
+                q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
+            )
         return self.o_proj(o)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        if cfg.is_moe(layer):
+            self.mlp: nn.Module = SparseMoE(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size or cfg.intermediate_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                cfg.hidden_act,
+            )
+        else:
+            self.mlp = GatedMLP(
+                cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, act=cfg.hidden_act
+            )
+        eps, offset = cfg.rms_norm_eps, cfg.norm_unit_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+        self.sandwich = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
 
     def forward(
         self,
@@ -122,6 +177,9 @@ class DecoderLayer(nn.Module):
         # Same residual order as HF, so bf16/fp16 rounding matches too.
         residual = h
         h = self.self_attn(self.input_layernorm(h), rope, meta, kv_cache, backend)
+        if self.sandwich:
+            h = residual + self.post_attention_layernorm(h)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = residual + h
         residual = h
         h = self.mlp(self.post_attention_layernorm(h))
@@ -132,12 +190,13 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Module tree mirrors HF's names except the fused qkv_proj and gate_up_proj."""
+    """Module tree mirrors HF's names except the fused qkv_proj and gate_up_proj, and a MoE
+    layer's stacked experts (SparseMoE)."""
 
     def __init__(
         self,
@@ -153,13 +212,26 @@ class LlamaForCausalLM(nn.Module):
         )
         # The RoPE tables are computed, not loaded: built on the real device even when the
         # weights are constructed on the meta device.
+        positions = max_positions or cfg.max_position_embeddings
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim,
-            max_positions or cfg.max_position_embeddings,
+            positions,
             cfg.rope_theta,
             cfg.rope_scaling,
             device=rope_device,
+            rotary_dim=cfg.rotary_dim,
+            model_max_positions=cfg.max_position_embeddings,
         )
+        self.local_rotary_emb = None
+        if cfg.local_rope_theta is not None:
+            self.local_rotary_emb = RotaryEmbedding(
+                cfg.head_dim,
+                positions,
+                cfg.local_rope_theta,
+                cfg.local_rope_scaling,
+                device=rope_device,
+                model_max_positions=cfg.max_position_embeddings,
+            )
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
         self.__dict__["tied_head"] = None  # packed copy of a tied LM head, see pack_linears()
 
@@ -176,14 +248,30 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerKVCache],
     ) -> torch.Tensor:
         """input_ids/positions [T] int64 → final-normed hidden states [T, hidden]."""
+        cfg = self.config
         h = self.model.embed_tokens(input_ids)
+        if cfg.embed_scale is not None:
+            h = h * torch.tensor(cfg.embed_scale, dtype=h.dtype)
         use_native = (
-            self.config.head_dim % 16 == 0 and not self.config.qk_norm and native.available(h)
+            cfg.head_dim % 16 == 0
+            and not cfg.qk_norm
+            and (cfg.rotary_dim or cfg.head_dim) == cfg.head_dim
+            and native.available(h)
         )
-        rope = RopeStep.make(self.rotary_emb, positions, h.dtype, use_native)
+        index = positions
+        if self.rotary_emb.long_from is not None:  # LongRoPE: by each request's length
+            lens = attn_metadata.seq_lens.repeat_interleave(
+                torch.diff(attn_metadata.query_start_loc)
+            )
+            index = self.rotary_emb.table_index(positions, lens)
+        rope = RopeStep.make(self.rotary_emb, index, h.dtype, use_native)
+        local_rope = None
+        if self.local_rotary_emb is not None:
+            local_rope = RopeStep.make(self.local_rotary_emb, positions, h.dtype, use_native)
         backend = self.attn_backend
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, rope, attn_metadata, kv_cache, backend)
+            r = local_rope if layer.self_attn.local_rope else rope
+            h = layer(h, r, attn_metadata, kv_cache, backend)
         return self.model.norm(h)
 
     @torch.inference_mode()
@@ -191,8 +279,13 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] → float32 logits [N, vocab]; pass only the rows that need logits."""
         head = self.lm_head if self.lm_head is not None else self.tied_head
         if head is not None:
-            return head(hidden_states).float()
-        return F.linear(hidden_states, self.model.embed_tokens.weight).float()
+            logits = head(hidden_states)
+        else:
+            logits = F.linear(hidden_states, self.model.embed_tokens.weight)
+        cap = self.config.final_softcap
+        if cap is not None:  # in the model dtype, as HF
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def pack_linears(self) -> None:
         """Pack every matmul weight for oneDNN (see Linear.pack); a tied LM head gets its own

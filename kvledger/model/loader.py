@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from kvledger.errors import ConfigError, UnsupportedArchitectureError
+from kvledger.ledger.accounting import ModelSpec, architecture, text_config
 from kvledger.model.layers import can_pack_linear
 from kvledger.model.llama import LlamaForCausalLM, ModelConfig
 
@@ -26,15 +27,22 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
-
-# Fallback when config.json lacks "architectures" (a bare config.save_pretrained()).
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -82,72 +90,123 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any]) -> torch.
     return _DTYPES[name]
 
 
-def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict | None]:
-    """(theta, llama3 scaling or None) from either transformers 5's rope_parameters or the older
-    rope_theta + rope_scaling pair."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = params.get("rope_theta") or cfg.get("rope_theta") or 10000.0
+def _rope_params(
+    cfg: dict[str, Any], params: dict[str, Any] | None = None, default_theta: float = 10000.0
+) -> tuple[float, dict | None]:
+    """(theta, scaling or None) from either transformers 5's rope_parameters or the older
+    rope_theta + rope_scaling pair; scaling keeps its rope_type and the keys that type needs."""
+    if params is None:
+        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta") or cfg.get("rope_theta") or default_theta
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
     if rope_type == "default":
         return float(theta), None
-    if rope_type == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        missing = [k for k in keys if k not in params]
-        if missing:
-            raise ConfigError(f"llama3 rope scaling is missing {', '.join(missing)}")
-        return float(theta), {k: params[k] for k in keys}
-    raise ConfigError(f"unsupported RoPE type {rope_type!r}; supported: default, llama3")
+    scaling = {**params, "rope_type": rope_type}
+    if "original_max_position_embeddings" not in scaling and cfg.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    missing = [k for k in _ROPE_KEYS[rope_type] if scaling.get(k) is None]
+    if missing:
+        raise ConfigError(f"{rope_type} rope scaling is missing {', '.join(missing)}")
+    return float(theta), scaling
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
-    """The attention window if any layer uses one (we run full attention, so it caps the length)."""
-    window = cfg.get("sliding_window")
-    if not window:
-        return None
-    if arch == "MistralForCausalLM":
-        return int(window)
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        return int(window) if "sliding_attention" in layer_types else None
-    return int(window) if cfg.get("use_sliding_window") else None
+def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, dict | None, float, dict | None]:
+    """Gemma 3: full layers' (theta, scaling), then sliding layers' own (theta, scaling)."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        theta, scaling = _rope_params(cfg, full, 1_000_000.0)
+        local_theta, local_scaling = _rope_params({}, local, 10_000.0)
+        return theta, scaling, local_theta, local_scaling
+    # Older configs: rope_theta (+ rope_scaling) for global layers, rope_local_base_freq.
+    theta, scaling = _rope_params(cfg, cfg.get("rope_scaling") or {}, 1_000_000.0)
+    return theta, scaling, float(cfg.get("rope_local_base_freq") or 10_000.0), None
 
 
 def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    """Validate an HF config dict for the architectures we implement and normalise it."""
-    archs = cfg.get("architectures") or []
-    model_type = cfg.get("model_type", "<none>")
-    arch = archs[0] if archs else _MODEL_TYPES.get(model_type, model_type)
+    """Validate an HF config dict for the architectures we implement and normalise it. The
+    shape (layers, heads, layer types, window) is read by ModelSpec.from_hf_config, the same
+    reading the ledger and the planner use."""
+    cfg = text_config(cfg)
+    arch = architecture(cfg) or "<none>"
     if arch not in SUPPORTED_ARCHITECTURES:
+        hint = ""
+        if arch.endswith("ForConditionalGeneration"):
+            hint = " (multimodal checkpoints are not loaded; use the text-only model)"
         raise UnsupportedArchitectureError(
-            f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {arch}{hint}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"unsupported hidden_act {act!r} for {arch}; only silu is implemented")
+    gemma = arch in _GEMMA
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    allowed = ("gelu_pytorch_tanh", "gelu_tanh", "gelu") if gemma else ("silu",)
+    if act not in allowed:
+        raise ConfigError(f"unsupported hidden_act {act!r} for {arch}; implemented: {', '.join(allowed)}")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError(f"{arch}: use_bidirectional_attention is not supported (decoder only)")
+    spec = ModelSpec.from_hf_config(cfg, name=arch)
     try:
-        hidden = int(cfg["hidden_size"])
-        num_heads = int(cfg["num_attention_heads"])
-        theta, scaling = _rope_params(cfg)
+        local_theta = local_scaling = None
+        if arch == "Gemma3ForCausalLM":
+            theta, scaling, local_theta, local_scaling = _gemma3_rope(cfg)
+        else:
+            theta, scaling = _rope_params(cfg)
+        partial = float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+                        or cfg.get("partial_rotary_factor") or 1.0)
+        rotary_dim = int(spec.head_dim * partial) if partial != 1.0 else None
         attention_bias = bool(cfg.get("attention_bias") or False)
+        moe = arch in _MOE
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if moe else 0
+        moe_layers = None
+        if arch == "Qwen3MoeForCausalLM":
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            dense = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(spec.num_layers))
+        if moe and (num_experts <= 0 or not cfg.get("num_experts_per_tok")):
+            raise ConfigError(f"{arch} config lacks num_local_experts/num_experts or num_experts_per_tok")
+        if arch == "Qwen3MoeForCausalLM" and not cfg.get("moe_intermediate_size"):
+            raise ConfigError("Qwen3MoeForCausalLM config lacks 'moe_intermediate_size'")
+        query_scalar = cfg.get("query_pre_attn_scalar")
         return ModelConfig(
             architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.hidden_size,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            num_layers=spec.num_layers,
+            num_heads=spec.num_attention_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=spec.tie_word_embeddings,
             qkv_bias=arch == "Qwen2ForCausalLM"
-            or (arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attention_bias),
-            o_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attention_bias,
+            or (arch not in ("Qwen2ForCausalLM", "Phi3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+                and attention_bias),
+            o_bias=arch not in ("Qwen2ForCausalLM", "Phi3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+            and attention_bias,
             mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias") or False),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            layer_types=spec.layer_types,
+            sliding_window=spec.sliding_window,
+            local_rope_theta=local_theta,
+            local_rope_scaling=local_scaling,
+            rotary_dim=rotary_dim,
+            hidden_act=act,
+            norm_unit_offset=gemma,
+            sandwich_norms=gemma,
+            embed_scale=spec.hidden_size**0.5 if gemma else None,
+            attn_scale=float(query_scalar) ** -0.5 if gemma and query_scalar else None,
+            attn_softcap=(cfg.get("attn_logit_softcapping") or None) if arch == "Gemma2ForCausalLM" else None,
+            final_softcap=(cfg.get("final_logit_softcapping") or None) if gemma else None,
+            num_experts=num_experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if moe else 0,
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]) if cfg.get("moe_intermediate_size") else None,
+            norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob")),
+            moe_layers=moe_layers,
         )
     except KeyError as e:
         raise ConfigError(f"config.json for {arch} lacks {e.args[0]!r}") from e
@@ -186,26 +245,49 @@ def _weight_files(path: Path) -> dict[str, Path]:
 
 
 def _sources(model: LlamaForCausalLM) -> dict[str, list[tuple[str, int, int]]]:
-    """Our parameter name → (HF tensor name, first row, rows) of each piece that fills it."""
+    """Our parameter name → (HF tensor name, first row, rows) of each piece that fills it.
+
+    Keys and names below are relative to a layer ("model.layers.{i}.")."""
     cfg = model.config
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     inter = cfg.intermediate_size
-    fused = {
-        "self_attn.qkv_proj": [
-            ("self_attn.q_proj", 0, q_size),
-            ("self_attn.k_proj", q_size, kv_size),
-            ("self_attn.v_proj", q_size + kv_size, kv_size),
-        ],
-        "mlp.gate_up_proj": [("mlp.gate_proj", 0, inter), ("mlp.up_proj", inter, inter)],
-    }
+    fused: dict[str, list[tuple[str, int, int]]] = {}
+    if cfg.architecture != "Phi3ForCausalLM":  # Phi-3 checkpoints store both fused already
+        for leaf in ("weight", "bias"):
+            fused[f"self_attn.qkv_proj.{leaf}"] = [
+                (f"self_attn.q_proj.{leaf}", 0, q_size),
+                (f"self_attn.k_proj.{leaf}", q_size, kv_size),
+                (f"self_attn.v_proj.{leaf}", q_size + kv_size, kv_size),
+            ]
+            fused[f"mlp.gate_up_proj.{leaf}"] = [
+                (f"mlp.gate_proj.{leaf}", 0, inter),
+                (f"mlp.up_proj.{leaf}", inter, inter),
+            ]
+    if cfg.num_experts:
+        # Mixtral: block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down); router "gate".
+        mixtral = cfg.architecture == "MixtralForCausalLM"
+        base = "block_sparse_moe" if mixtral else "mlp"
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        m, h = cfg.moe_intermediate_size or inter, cfg.hidden_size
+        fused["mlp.w_gate_up"] = [
+            piece
+            for e in range(cfg.num_experts)
+            for piece in (
+                (f"{base}.experts.{e}.{gate}.weight", 2 * m * e, m),
+                (f"{base}.experts.{e}.{up}.weight", 2 * m * e + m, m),
+            )
+        ]
+        fused["mlp.w_down"] = [
+            (f"{base}.experts.{e}.{down}.weight", h * e, h) for e in range(cfg.num_experts)
+        ]
+        fused["mlp.gate.weight"] = [(f"{base}.gate.weight", 0, cfg.num_experts)]
     out: dict[str, list[tuple[str, int, int]]] = {}
     for name, param in model.named_parameters():
-        module, _, leaf = name.rpartition(".")
-        prefix, _, tail = module.rpartition(".layers.")
-        layer_idx, _, sub = tail.partition(".")
-        if sub in fused:
-            base = f"{prefix}.layers.{layer_idx}."
-            out[name] = [(f"{base}{hf}.{leaf}", row, n) for hf, row, n in fused[sub]]
+        prefix, sep, tail = name.partition(".layers.")
+        layer_idx, _, rel = tail.partition(".")
+        if sep and rel in fused:
+            base_name = f"{prefix}.layers.{layer_idx}."
+            out[name] = [(base_name + hf, row, n) for hf, row, n in fused[rel]]
         else:
             out[name] = [(name, 0, param.shape[0])]
     return out
@@ -268,15 +350,11 @@ def load_model(
     device = torch.device(device)
 
     limit = cfg.max_position_embeddings
-    window = _sliding_window(hf_config, cfg.architecture)
-    if window is not None:
-        limit = min(limit, window)
     if max_model_len is None:
         max_model_len = limit
     elif not 0 < max_model_len <= limit:
         raise ConfigError(
             f"max_model_len {max_model_len} is outside 1..{limit}, the limit of {path.name}"
-            + (f" (sliding window {window} is not implemented)" if window == limit else "")
         )
 
     with torch.device("meta"):

@@ -23,7 +23,14 @@ class AttentionBackend(Protocol):
         layer_cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write k/v [T, n_kv, hd] at meta.slot_mapping, then attend q [T, n_heads, hd] causally over each
-        request's context read back through its block table. Returns [T, n_heads * hd]."""
+        request's context read back through its block table. Returns [T, n_heads * hd].
+
+        ``window``: a query at position p sees only keys p - window < j <= p (sliding-window
+        layers; the blocks before that may be gone). ``softcap``: scores become
+        softcap * tanh(scores / softcap) before the mask (Gemma 2). The model passes these
+        keywords only when set, so a backend without them still runs the other families."""
         ...

@@ -131,8 +131,12 @@ class TorchAttentionBackend:
         layer_cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         layer_cache.write(k, v, meta.slot_mapping)
+        if window is not None or softcap is not None:
+            return _attend_windowed(q, layer_cache, meta, scale, window, softcap)
         num_tokens, num_heads, head_dim = q.shape
         plan = self._get_plan(meta, q.dtype, k.shape[1] * k.shape[2], layer_cache, num_heads)
         nd = plan.native_decode
@@ -460,3 +464,59 @@ def _overlay_writes(
         torch.tensor(src, dtype=torch.int64, device=device),
         torch.tensor(dst, dtype=torch.int64, device=device),
     )
+
+
+def _attend_windowed(
+    q: torch.Tensor,
+    layer_cache: LayerKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Sliding-window and/or soft-capped attention, one request at a time (the step's k/v are
+    already in the cache). A query at position p sees keys p - window < j <= p, as HF's
+    sliding-window mask; only the blocks holding those keys are read, so blocks wholly outside
+    every query's window may have been released. Soft-capping (Gemma 2) is HF's eager order:
+    scores * scale, cap * tanh(scores / cap), mask, float32 softmax, then V."""
+    if getattr(layer_cache, "quantized", False):
+        raise NotImplementedError("sliding-window / soft-capped attention needs an unquantised KV cache")
+    num_tokens, num_heads, head_dim = q.shape
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    bs = meta.block_size
+    device = q.device
+    start = 0
+    for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
+        if query_len == 0:
+            continue
+        p0 = seq_len - query_len
+        lo = 0 if window is None else max(0, p0 - window + 1)
+        b0 = lo // bs
+        ids = meta.block_tables[i, b0 : -(-seq_len // bs)]
+        kc, vc = layer_cache.read(ids)
+        first = b0 * bs
+        kc = kc.flatten(0, 1)[: seq_len - first].transpose(0, 1)  # [K, S', D]
+        vc = vc.flatten(0, 1)[: seq_len - first].transpose(0, 1)
+        qp = torch.arange(p0, seq_len, device=device)[:, None]
+        kp = torch.arange(first, seq_len, device=device)[None, :]
+        mask = kp <= qp
+        if window is not None:
+            mask = mask & (kp > qp - window)
+        qi = q[start : start + query_len].transpose(0, 1)  # [H, L, D]
+        if softcap is None:
+            o = F.scaled_dot_product_attention(
+                qi.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0), attn_mask=mask,
+                scale=scale, enable_gqa=num_heads != kc.shape[0],
+            )[0]
+        else:
+            rep = num_heads // kc.shape[0]
+            kr = kc.repeat_interleave(rep, dim=0)
+            vr = vc.repeat_interleave(rep, dim=0)
+            scores = torch.matmul(qi, kr.transpose(1, 2)) * scale
+            scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            o = torch.matmul(probs, vr)
+        out[start : start + query_len] = o.transpose(0, 1).reshape(query_len, num_heads * head_dim)
+        start += query_len
+    return out

@@ -1,0 +1,56 @@
+"""The new families through the whole engine against HF float32 greedy: Gemma 2/3, Phi-3,
+Mixtral, Qwen3-MoE and the RoPE scalings (issue 20). One sliding-window model and one MoE model
+also go through prefix-cache hits, n > 1 and forced preemption (swap and recompute)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvledger import LLM, SamplingParams
+from tests.model_factory import build_hf_model, tiny_config
+from tests.test_engine_exact import hf_greedy
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "kind", ["gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "llama_yarn", "mistral_window"]
+)
+def test_engine_greedy_matches_hf(kind, tmp_path):
+    """Batched requests (prefill chunks and decodes in one step) several windows long."""
+    hf = build_hf_model(tiny_config(kind), tmp_path)
+    llm = LLM(str(tmp_path), block_size=4, calibrate_preemption=False)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (5, 17, 2)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 24), (kind, p)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_prefix_hits_n2_and_preemption_match_hf(kind, mode, tmp_path):
+    hf = build_hf_model(tiny_config(kind), tmp_path)
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 97) for _ in range(13)]  # three full 4-token blocks shared
+    prompts = [shared + [rng.randrange(3, 97) for _ in range(rng.randint(1, 12))] for _ in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(8, 24), ignore_eos=True) for _ in prompts]
+    params[0] = SamplingParams(temperature=0, n=2, max_tokens=20, ignore_eos=True)
+    llm = LLM(str(tmp_path), block_size=4, num_kv_blocks=22, preemption_mode=mode, calibrate_preemption=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for p, sp, o in zip(prompts, params, outs):
+        ref = hf_greedy(hf, p, sp.max_tokens)
+        assert [c.token_ids for c in o.outputs] == [ref] * sp.n, (kind, p)
+    snap = llm.ledger()
+    assert snap.prefix_cache_hits > 0
+    assert snap.preemptions[mode] > 0
+    assert snap.used_blocks == 0 and snap.swapped_blocks == 0
