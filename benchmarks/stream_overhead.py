@@ -15,7 +15,7 @@ measures, in one run:
 
 Peer: the same benchmark against kvledger before this change (``--baseline-rev``, default
 8d031f8: whole-output re-decodes), its source unpacked from git into a temporary folder and
-served from there. The model is the embedded ``kvledger-tiny`` (byte-level BPE, random
+served from there (the version measured is unpacked from git too: ``--rev``, default HEAD). The model is the embedded ``kvledger-tiny`` (byte-level BPE, random
 weights) with its context raised to 4,608 positions (RoPE needs no other change).
 
     python -m benchmarks.stream_overhead [--streams 1 16] [--tokens 4100] [--baseline-rev REV]
@@ -196,6 +196,8 @@ def prepare_model() -> Path:
 
 
 def unpack_rev(rev: str, into: Path) -> Path:
+    """The kvledger package as of ``rev``, in a folder of its own (edits elsewhere can't leak in)."""
+    into.mkdir(parents=True)
     tar = subprocess.run(
         ["git", "-C", str(REPO_ROOT), "archive", rev, "kvledger"], check=True, capture_output=True
     ).stdout
@@ -207,6 +209,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--tokens", type=int, default=4100)
+    ap.add_argument("--rev", default="HEAD", help="the kvledger commit to measure")
     ap.add_argument("--baseline-rev", default="8d031f8", help="'' to skip the baseline")
     a = ap.parse_args()
     if a.tokens <= LATE[1]:
@@ -215,9 +218,12 @@ def main() -> None:
     model = prepare_model()
     print(f"model   : {model} (kvledger-tiny, context {MAX_LEN}); windows {EARLY} and {LATE}")
     with tempfile.TemporaryDirectory() as tmp:
-        versions = [("kvledger (this tree)", REPO_ROOT)]
+        head = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", a.rev], capture_output=True, text=True
+        ).stdout.strip()
+        versions = [(f"kvledger @ {head}", unpack_rev(a.rev, Path(tmp) / "new"))]
         if a.baseline_rev:
-            versions.append((f"kvledger @ {a.baseline_rev}", unpack_rev(a.baseline_rev, Path(tmp))))
+            versions.append((f"kvledger @ {a.baseline_rev}", unpack_rev(a.baseline_rev, Path(tmp) / "old")))
         rows = []
         for streams in a.streams:
             for name, src in versions:
