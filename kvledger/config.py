@@ -9,6 +9,15 @@ from kvledger.errors import ConfigError
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "fp8_int8")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 VICTIM_POLICIES = ("remaining", "fcfs", "priority")
+# vLLM's dtype names: "half" is float16, "float" is float32.
+DTYPE_ALIASES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
 
 
 @dataclass
@@ -39,6 +48,9 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: size from kv_cache_memory / the ledger
     kv_cache_memory: int | None = None  # bytes for the device KV pool
+    # vLLM's meaning, on CUDA: weights + KV may take this fraction of the device memory that
+    # was free at start-up (the rest stays for activations). No effect on the CPU.
+    gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -52,6 +64,10 @@ class CacheConfig:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_memory is not None:
             _positive("kv_cache_memory", self.kv_cache_memory)
+        if not (isinstance(self.gpu_memory_utilization, int | float) and 0 < self.gpu_memory_utilization <= 1):
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
@@ -72,10 +88,20 @@ class EngineConfig:
     swap_bandwidth: float | None = None  # bytes/s override for the cost model
     prefill_cost: tuple[float, float, float] | None = None  # (c0, c1, c2) seconds override
     max_logprobs: int = 20  # vLLM's cap on logprobs / prompt_logprobs per position; -1: none
+    # "auto": the model folder's generation_config.json sampling defaults apply to requests
+    # that leave them unset (as vLLM); "vllm": ignore the file (SamplingParams' defaults).
+    generation_config: str = "auto"
 
     def validate(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_ALIASES:
+            raise ConfigError(
+                f"dtype must be one of {', '.join(DTYPE_ALIASES)}; got {self.dtype!r}"
+            )
+        self.dtype = DTYPE_ALIASES[self.dtype]
+        if self.generation_config not in ("auto", "vllm"):
+            raise ConfigError(
+                f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}"
+            )
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         self.scheduler.validate()

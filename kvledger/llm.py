@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from kvledger.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvledger.core.engine import LLMEngine
-from kvledger.errors import ConfigError
+from kvledger.errors import ConfigError, InvalidRequestError
+from kvledger.inputs import PromptType
 from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.outputs import RequestOutput
 from kvledger.sampling_params import SamplingParams
 
+logger = logging.getLogger("kvledger")
+
 _SCHED = {f for f in SchedulerConfig.__dataclass_fields__}
 _CACHE = {f for f in CacheConfig.__dataclass_fields__}
 _ENGINE = {f for f in EngineConfig.__dataclass_fields__} - {"scheduler", "cache", "model"}
+
+# vLLM keywords that change nothing here, with why (warned about once per process when set to
+# a value that would matter in vLLM).
+_NO_EFFECT: dict[str, tuple[object, str]] = {
+    "enforce_eager": (True, "kvledger always runs eagerly (no CUDA graphs to capture)"),
+    "trust_remote_code": (False, "kvledger never runs code from a model folder"),
+    "disable_log_stats": (True, "kvledger logs no periodic stats"),
+    "max_seq_len_to_capture": (None, "kvledger captures no CUDA graphs"),
+    "disable_custom_all_reduce": (True, "kvledger runs on one device"),
+    "compilation_config": (None, "kvledger compiles nothing"),
+    "tokenizer_mode": ("auto", "kvledger always uses the folder's (fast) tokenizer"),
+}
+_warned: set[str] = set()
 
 
 def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
@@ -22,6 +39,23 @@ def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
         from kvledger.model.tiny import default_model_path
 
         model = str(default_model_path())
+    tp = kwargs.pop("tensor_parallel_size", 1)
+    if tp != 1:
+        raise ConfigError(
+            f"tensor_parallel_size={tp!r}: kvledger runs a model on one device for now "
+            "(tensor parallelism has not landed); use tensor_parallel_size=1"
+        )
+    for name, (neutral, why) in _NO_EFFECT.items():
+        if name in kwargs and kwargs.pop(name) != neutral and name not in _warned:
+            _warned.add(name)
+            logger.warning("%s has no effect: %s", name, why)
+    if "gpu_memory_utilization" in kwargs and not str(kwargs.get("device", "cpu")).startswith("cuda"):
+        if "gpu_memory_utilization" not in _warned:
+            _warned.add("gpu_memory_utilization")
+            logger.warning(
+                "gpu_memory_utilization has no effect on the CPU; size the KV cache with "
+                "kv_cache_memory (bytes) or num_kv_blocks"
+            )
     if "max_num_batched_tokens" not in kwargs and "max_model_len" in kwargs:
         kwargs["max_num_batched_tokens"] = max(2048, kwargs["max_model_len"])
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED}
@@ -35,23 +69,114 @@ def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
 
 
 class LLM:
+    """Offline inference, as vLLM's ``LLM``: ``LLM(model=...).generate(prompts, params)``."""
+
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.engine = LLMEngine(build_engine_config(model, **kwargs))
+        self.llm_engine = LLMEngine(build_engine_config(model, **kwargs))
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.llm_engine
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.llm_engine.tokenizer
+
+    def get_tokenizer(self):
+        """The model folder's tokenizer (a transformers tokenizer), as in vLLM."""
+        return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block; False (with a warning) while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        prompts: PromptType | Sequence[PromptType] | Sequence[int] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        A prompt is text, a list of token ids, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": ...}`` dicts (``kvledger.inputs.TextPrompt`` / ``TokensPrompt``).
+        """
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        return self._run([_parse_prompt(p) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (vLLM's ``LLM.chat``).
+
+        Each conversation is rendered with the tokenizer's chat template (or ``chat_template``)
+        and then generated like a text prompt.
+        """
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise InvalidRequestError("this model folder has no tokenizer, so chat is not available")
+        template = chat_template or getattr(tok, "chat_template", None)
+        if not template:
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template; pass chat_template=... "
+                "(a Jinja template string) or use generate()"
+            )
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a conversation (a list of dicts) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        parsed = []
+        for conv in conversations:
+            prompt = self._render_chat(
+                conv, template, add_generation_prompt, continue_final_message, tools,
+                chat_template_kwargs or {},
+            )  # fmt: skip
+            bos = getattr(tok, "bos_token", None)
+            add_special = not (bos and prompt.startswith(bos))  # the template wrote BOS itself
+            ids = tok(prompt, add_special_tokens=add_special).input_ids
+            parsed.append((prompt, ids, None))
+        return self._run(parsed, sampling_params, use_tqdm)
+
+    def _render_chat(self, conv, template, add_generation_prompt, continue_final_message, tools, kwargs) -> str:
+        import jinja2
+
+        if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m for m in conv):
+            raise InvalidRequestError("each message must be a dict with a 'role' (and 'content')")
+        try:
+            return self.get_tokenizer().apply_chat_template(
+                conv,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                **kwargs,
+            )
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise InvalidRequestError(f"the chat template rejected the messages: {e}") from None
+
+    def _run(
+        self,
+        prompts: list[tuple[str | None, list[int] | None, str | None]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """(text, token ids, cache salt) prompts to completion, in order (final outputs only)."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -60,19 +185,18 @@ class LLM:
             raise ConfigError(
                 f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
             )
-        eng = self.engine
+        eng = self.llm_engine
         # Validate everything first so that one bad prompt leaves nothing half-submitted.
         ids = []
-        for p, sp in zip(prompts, sampling_params):
-            toks = eng.tokenize(p) if isinstance(p, str) else list(p)
+        for (text, toks, _), sp in zip(prompts, sampling_params):
+            toks = eng.tokenize(text) if toks is None else list(toks)
             eng.validate_prompt(toks)
             eng.check_logprobs(sp)
             ids.append(toks)
         rids = []
-        for p, toks, sp in zip(prompts, ids, sampling_params):
-            rid = eng.add_request(toks, sp)
-            if isinstance(p, str):
-                eng.groups[rid].prompt = p
+        for (text, _, salt), toks, sp in zip(prompts, ids, sampling_params):
+            rid = eng.add_request(toks, sp, cache_salt=salt)
+            eng.groups[rid].prompt = text
             rids.append(rid)
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -99,3 +223,29 @@ class LLM:
 
     def ledger(self) -> LedgerSnapshot:
         return self.engine.ledger()
+
+
+def _parse_prompt(p) -> tuple[str | None, list[int] | None, str | None]:
+    """(text, token ids, cache salt) of one prompt in any of the accepted shapes."""
+    if isinstance(p, str):
+        return p, None, None
+    if isinstance(p, dict):
+        unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
+        if unknown:
+            raise InvalidRequestError(
+                f"unsupported prompt key(s) {sorted(unknown)}; a prompt dict has 'prompt' "
+                "(TextPrompt) or 'prompt_token_ids' (TokensPrompt)"
+            )
+        salt = p.get("cache_salt")
+        if "prompt_token_ids" in p:
+            return p.get("prompt"), list(p["prompt_token_ids"]), salt
+        if "prompt" in p:
+            if not isinstance(p["prompt"], str):
+                raise InvalidRequestError("TextPrompt['prompt'] must be a string")
+            return p["prompt"], None, salt
+        raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(p, Sequence):
+        return None, list(p), None
+    raise InvalidRequestError(
+        f"a prompt is a string, a list of token ids or a TextPrompt/TokensPrompt dict; got {type(p).__name__}"
+    )

@@ -121,13 +121,11 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
     """``tokenizers.decoders.DecodeStream`` over the fast tokenizer's backend."""
 
     def __init__(self, tokenizer, backend, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        from tokenizers.decoders import DecodeStream
-
         super().__init__(params)
         self.backend = backend
         self.skip_special_tokens = params.skip_special_tokens
         prime = list(prompt_token_ids[-_PRIME_TOKENS:])
-        self.stream = DecodeStream(ids=prime, skip_special_tokens=self.skip_special_tokens)
+        self.stream = _primed_stream(backend, prime, self.skip_special_tokens)
         self._ids = prime  # context for flush()
         self._pending = 0  # tokens fed since the stream last produced text
         # vLLM: without spaces between special tokens, consecutive added tokens are joined raw.
@@ -142,9 +140,9 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         try:
             piece = self.stream.step(self.backend, token_id)
         except Exception:  # a token id the decoder cannot place: restart the stream after it
-            from tokenizers.decoders import DecodeStream
-
-            self.stream = DecodeStream(ids=self._ids[-_PRIME_TOKENS:], skip_special_tokens=self.skip_special_tokens)
+            self.stream = _primed_stream(
+                self.backend, self._ids[-_PRIME_TOKENS:], self.skip_special_tokens
+            )
             piece = None
         if self.added_token_ids is not None:
             special = self.added_token_ids.get(token_id)
@@ -166,6 +164,19 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         before = self.backend.decode(ctx, skip_special_tokens=skip)
         self._pending = 0
         return whole[len(before) :] if whole.startswith(before) else whole
+
+
+def _primed_stream(backend, ids: list[int], skip_special_tokens: bool):
+    """A DecodeStream that has seen ``ids`` (their text is not output)."""
+    from tokenizers.decoders import DecodeStream
+
+    try:
+        return DecodeStream(ids=ids, skip_special_tokens=skip_special_tokens)
+    except TypeError:  # tokenizers < 0.22: no prefill argument, so replay the ids
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for t in ids:
+            stream.step(backend, t)
+        return stream
 
 
 class SlowIncrementalDetokenizer(IncrementalDetokenizer):

@@ -62,6 +62,9 @@ class LLMEngine:
         self._tokenizer_job = ThreadPoolExecutor(1, thread_name_prefix="kvledger-tok").submit(
             _maybe_tokenizer, config.tokenizer or config.model
         )
+        self._free_at_start = (
+            torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        )
         loaded = load_model(config.model, dtype=config.dtype, device=config.device)
         self.model = loaded.model
         self.model_dtype = loaded.dtype
@@ -169,8 +172,11 @@ class LLMEngine:
         budget = cc.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
+                # vLLM's gpu_memory_utilization: weights + KV within that share of the memory
+                # free at start-up (what the weights took is already gone from `free`).
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.9)
+                start = self._free_at_start or free
+                budget = int(cc.gpu_memory_utilization * start) - (start - free)
             else:
                 budget = min(4 * _GiB, int(_mem_available() * 0.2))
         budget -= reserved
@@ -229,6 +235,7 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
         params = params or SamplingParams()
         self.check_logprobs(params)
@@ -249,6 +256,8 @@ class LLMEngine:
         parent.children = children
         for c in children:
             c.parent_id = rid
+        for seq in (parent, *children):
+            seq.cache_salt = cache_salt
         self.groups[rid] = _Group(rid, text, [parent, *children])
         self.scheduler.add_request(parent)
         return rid
@@ -285,6 +294,21 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's name). Refused (False, with a warning
+        saying why) while requests hold blocks: their blocks may be shared prefixes."""
+        if self.has_unfinished_requests() or self.kv.num_used_blocks:
+            logger.warning(
+                "reset_prefix_cache refused: %d unfinished request(s) hold %d KV blocks; "
+                "call it again once they finish (or abort them)",
+                len(self.groups),
+                self.kv.num_used_blocks,
+            )
+            return False
+        dropped = self.kv.pool.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks dropped", dropped)
+        return True
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
