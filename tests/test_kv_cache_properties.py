@@ -26,6 +26,7 @@ from hypothesis.stateful import (
 import kvledger.cache.kv_cache_manager as kvm_mod
 from kvledger.cache.kv_cache_manager import KVCacheManager
 from kvledger.errors import CacheError, OutOfBlocksError
+from kvledger.ledger.block_map import block_map
 
 BS = 4
 NUM_BLOCKS = 20
@@ -248,6 +249,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert snap.swapped_blocks == len(host_holders) == kv.host_pool.num_used_blocks
         assert snap.shared_blocks == sum(1 for n in holders.values() if n > 1)
         assert not kv._pending_copies
+        # The dashboard's block map (one cell per block, and grouped) says the same.
+        for cells in (NUM_BLOCKS, 3):
+            bm = block_map(kv, max_cells=cells)
+            c = bm["counts"]
+            assert (c["free"], c["cached"]) == (snap.free_blocks, snap.cached_blocks)
+            assert (c["used"] + c["shared"], c["shared"]) == (snap.used_blocks, snap.shared_blocks)
+            assert c["swapped_out"] == len(host_holders)
+            assert sum(cell["n"] for cell in bm["cells"] if "n" in cell) == sum(holders.values())
 
     @invariant()
     def every_position_holds_its_own_value(self):

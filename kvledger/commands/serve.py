@@ -21,8 +21,8 @@ def add_parser(subparsers: Any) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL over HTTP: /v1/completions, /v1/chat/completions (SSE "
         "streaming), /v1/models, /v1/ledger (the live KV ledger), /metrics (Prometheus), "
-        "/health. With no MODEL, serves the embedded default kvledger-tiny (fixed-seed RANDOM "
-        "weights: gibberish text, real code path).",
+        "/health, /dashboard (the ledger drawn live). With no MODEL, serves the embedded default "
+        "kvledger-tiny (fixed-seed RANDOM weights: gibberish text, real code path).",
     )
     p.add_argument(
         "model", nargs="?", default=None, help="HF model folder (default: kvledger-tiny)"
@@ -50,6 +50,11 @@ def add_parser(subparsers: Any) -> None:
         "--max-body-bytes",
         default="1MiB",
         help="larger request bodies get a 413 (default: 1MiB)",
+    )
+    p.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        help="do not serve the live dashboard page at /dashboard (same API-key rules as /v1/*)",
     )
     p.add_argument(
         "--log-level",
@@ -150,7 +155,11 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key,
         chat_template=template,
         max_body_bytes=max_body,
+        dashboard=not args.no_dashboard,
     )
+    if config.dashboard:
+        key = "?key=<key>" if api_key else ""
+        log.info("dashboard: http://%s:%d/dashboard%s", args.host, args.port, key)
     app = build_app(engine, config)
     uvicorn.run(
         app,

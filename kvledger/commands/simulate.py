@@ -108,6 +108,11 @@ def add_parser(subparsers: Any) -> None:
         "--naive-max-seq-len", type=int, help="naive reservation (default: max-model-len)"
     )
     o.add_argument("--plot", help="write a PNG of memory, utilisation, queues and preemptions")
+    o.add_argument(
+        "--html",
+        help="write the dashboard's views of the run (block map, totals, requests, time series, "
+        "with a time slider) as one self-contained HTML file",
+    )
 
 
 def _positive(name: str, v: int | None) -> None:
@@ -175,7 +180,10 @@ def run(args: argparse.Namespace) -> int:
         write_trace(trace, args.save_trace)
     if args.save_cost_model:
         setup.resolved_cost_model.save(args.save_cost_model)
-    result = setup.run(trace)
+    if args.html:
+        result = _run_recorded(setup, trace, args)
+    else:
+        result = setup.run(trace)
     summary = {**setup.describe(), **result.summary()}
     if args.plot:
         from kvledger.sim.plot import plot_timeline
@@ -187,6 +195,34 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(summary, args.naive)
     return 0
+
+
+def _run_recorded(setup, trace, args: argparse.Namespace):
+    """The run, with the dashboard's frames recorded along the way, written to --html."""
+    from kvledger.ledger.accounting import kv_bytes_per_token
+    from kvledger.sim.html import FrameRecorder, write_html
+
+    sim = setup.simulator(trace)
+    recorder = FrameRecorder(
+        sim,
+        kv_cache_dtype=setup.kv_dtype,
+        reference_bytes_per_token=kv_bytes_per_token(setup.spec, "auto", setup.tp).total,
+    )
+    result = sim.run(recorder)
+    summary = {**setup.describe(), **result.summary()}
+    end = max((s.time + s.duration for s in result.steps), default=0.0)
+    label = f"static batch {args.static_batch}" if args.static_batch else "continuous batching"
+    tput = summary["throughput_tokens_per_s"]
+    naive = summary["naive_kv_utilization"]
+    subtitle = (
+        f"{summary['num_finished']}/{summary['num_requests']} requests, {label}, "
+        f"{_fmt(tput, ' output tok/s', '.0f')}, KV utilisation paged "
+        f"{_fmt(summary['kv_utilization'], '', '.1%')} vs naive {_fmt(naive, '', '.1%')} "
+        f"(cost model {summary['cost_model']['name']})"
+    )
+    title = f"kvledger simulate: {summary['model']} (tp {summary['tp']}, KV {setup.kv_dtype})"
+    write_html(recorder.recording(end, title, subtitle, summary), args.html)
+    return result
 
 
 def _fmt(x: float | None, unit: str = "", spec: str = ".3g") -> str:

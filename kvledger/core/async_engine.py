@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from kvledger.core.engine import LLMEngine
 from kvledger.errors import InvalidRequestError
+from kvledger.ledger.frame import ledger_body  # shared with the dashboard's frames
 from kvledger.outputs import RequestOutput
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
 
@@ -213,17 +214,7 @@ class AsyncEngine:
     async def ledger(self) -> dict[str, Any]:
         """The live ledger (``LedgerSnapshot.to_dict()``) plus the scheduler's queue sizes."""
 
-        def read(eng: LLMEngine) -> dict[str, Any]:
-            d = eng.ledger().to_dict()
-            s = eng.scheduler
-            d["num_requests"] = {
-                "running": len(s.running),
-                "waiting": len(s.waiting),
-                "swapped": len(s.swapped),
-            }
-            return d
-
-        return await self.run_in_engine(read)
+        return await self.run_in_engine(lambda eng: ledger_body(eng.ledger(), eng.scheduler))
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _call(self, fn: Callable[[], T]) -> T:

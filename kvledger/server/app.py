@@ -69,6 +69,7 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None  # overrides the tokenizer's
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    dashboard: bool = True  # GET /dashboard (kvledger/server/dashboard.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -299,6 +300,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.state.engine = aengine
     app.state.metrics = metrics
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    if config.dashboard:
+        from kvledger.server.dashboard import mount_dashboard
+
+        mount_dashboard(app, aengine, model_name, config.api_key)
 
     # -- errors ------------------------------------------------------------------------------
     @app.exception_handler(APIError)

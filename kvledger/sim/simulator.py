@@ -349,7 +349,11 @@ class Simulator:
             max_total_tokens=self.sc.max_model_len,
         )
 
-    def run(self) -> SimResult:
+    def run(
+        self, on_step: Callable[[SchedulerOutput, float, list[Request]], None] | None = None
+    ) -> SimResult:
+        """Replay the trace. ``on_step(so, clock, finished)``, if given, sees each step that ran
+        right after its update (``simulate --html`` records its frames there)."""
         sched, kv, cost = self.scheduler, self.kv, self.cost_model
         bs = self.cc.block_size
         pending = deque(enumerate(self.trace))
@@ -402,7 +406,9 @@ class Simulator:
             clock += dt
             for req in so.finished:
                 record_finish(req, clock)
-            apply_step_update(sched, so, token, clock)
+            finished = apply_step_update(sched, so, token, clock)
+            if on_step is not None:
+                on_step(so, clock, finished)
 
         requests = [
             RequestRecord(

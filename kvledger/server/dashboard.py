@@ -1,0 +1,141 @@
+"""The live dashboard: ``GET /dashboard`` (one static page) and ``GET /dashboard/data`` (JSON).
+
+Kept apart from the API routes: ``mount_dashboard`` is the whole hook into the app. A frame is
+captured in the engine thread between steps (``AsyncEngine.run_in_engine``), so the block map,
+the totals and the request table describe one instant; it is plain JSON, so the same call can
+later cross a process boundary. A sampler keeps the last minutes of a cheap time series (KV
+usage, queues, generated tokens, preemptions) from the server's start, whether or not a page is
+open. The API key rules are those of ``/v1/*``; a browser cannot send a header when it
+navigates, so the dashboard also takes the key as ``?key=``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from kvledger.core.async_engine import AsyncEngine, EngineDeadError
+from kvledger.core.engine import LLMEngine
+from kvledger.ledger.accounting import kv_bytes_per_token
+from kvledger.ledger.frame import SeriesHistory, capture_frame, series_point
+from kvledger.server.page import render_page
+from kvledger.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("kvledger.server")
+
+SAMPLE_INTERVAL_S = 0.5
+HISTORY_S = 300  # the charts' window: the last five minutes
+# Everything the page needs is inline; the browser may fetch nothing but this server's JSON.
+CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:"
+)
+
+
+def reference_bytes_per_token(eng: LLMEngine) -> int:
+    """KV bytes per token in the model's own dtype: what quantised storage is measured against."""
+    name = str(eng.model_dtype).removeprefix("torch.")
+    spec = dataclasses.replace(eng.spec, dtype=name) if name != eng.spec.dtype else eng.spec
+    return kv_bytes_per_token(spec, "auto").total
+
+
+def engine_frame(eng: LLMEngine, reference_bpt: int) -> dict[str, Any]:
+    """A frame of the live engine; call it in the engine thread."""
+    return capture_frame(
+        eng.scheduler,
+        eng.ledger(),
+        time=time.time(),
+        max_model_len=eng.max_model_len,
+        reference_bytes_per_token=reference_bpt,
+    )
+
+
+def engine_point(eng: LLMEngine) -> dict[str, float]:
+    return series_point(eng.scheduler, time.time(), eng.num_generated_tokens)
+
+
+def _unauthorized(message: str) -> JSONResponse:
+    body = ErrorResponse(
+        error=ErrorInfo(message=message, type="invalid_request_error", code="invalid_api_key")
+    )
+    return JSONResponse(body.model_dump(), status_code=401)
+
+
+def _check_key(request: Request, api_key: str | None) -> JSONResponse | None:
+    if api_key is None:
+        return None
+    auth = request.headers.get("authorization", "")
+    scheme, _, key = auth.partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode()):
+        return None
+    query = request.query_params.get("key")
+    if query is not None and hmac.compare_digest(query.encode(), api_key.encode()):
+        return None
+    given = auth or query is not None
+    msg = "incorrect API key" if given else "missing API key"
+    return _unauthorized(f"{msg}: open /dashboard?key=<key>, or send 'Authorization: Bearer <key>'")
+
+
+def mount_dashboard(
+    app: FastAPI, aengine: AsyncEngine, model_name: str, api_key: str | None
+) -> None:
+    """Add the dashboard's routes and its sampler to ``app``."""
+    history = SeriesHistory(maxlen=int(HISTORY_S / SAMPLE_INTERVAL_S))
+    reference_bpt = reference_bytes_per_token(aengine.engine)
+    router = APIRouter()
+
+    @router.get("/dashboard", include_in_schema=False)
+    async def dashboard(request: Request):
+        denied = _check_key(request, api_key)
+        if denied is not None:
+            return denied
+        return HTMLResponse(
+            render_page(),
+            headers={"Content-Security-Policy": CSP, "Cache-Control": "no-store"},
+        )
+
+    @router.get("/dashboard/data", include_in_schema=False)
+    async def dashboard_data(request: Request, since: float | None = None):
+        denied = _check_key(request, api_key)
+        if denied is not None:
+            return denied
+        frame = await aengine.run_in_engine(lambda eng: engine_frame(eng, reference_bpt))
+        frame["ledger"]["model"] = model_name
+        frame["ledger"]["max_model_len"] = aengine.engine.max_model_len
+        return JSONResponse(
+            {"mode": "live", "model": model_name, "frame": frame, "series": history.since(since)},
+            headers={"Cache-Control": "no-store"},
+        )
+
+    app.include_router(router)
+
+    async def sample() -> None:
+        while True:
+            try:
+                history.add(await aengine.run_in_engine(engine_point))
+            except EngineDeadError:
+                return
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
+
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any):
+        async with inner(a) as state:
+            task = asyncio.create_task(sample())
+            try:
+                yield state
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, EngineDeadError):
+                    await task
+
+    app.router.lifespan_context = lifespan
