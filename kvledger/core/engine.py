@@ -202,17 +202,9 @@ class LLMEngine:
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
             bad = next(t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
             raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens, but the model's context is "
-                f"{self.max_model_len} tokens (max_model_len) including at least one output token"
-            )
-        need = cdiv(len(token_ids) + 1, self.kv.block_size)
-        if need > self.kv.pool.num_blocks:
-            raise InvalidRequestError(
-                f"prompt of {len(token_ids)} tokens needs {need} KV blocks; the pool only has "
-                f"{self.kv.pool.num_blocks}"
-            )
+        why = self.scheduler.check_prompt(len(token_ids))
+        if why is not None:
+            raise InvalidRequestError(why)
 
     def check_logprobs(self, params: SamplingParams) -> None:
         """Logprob counts within ``max_logprobs`` (-1: no cap); -1 asks for the whole vocabulary."""
@@ -321,47 +313,49 @@ class LLMEngine:
             for d in lps:
                 self._decode_logprobs(d)
             self.scheduler.requests[rid].prompt_logprobs.extend(lps)
-        for req in self.scheduler.update_after_step(so, now):
-            children = req.children if req.num_output_tokens == 0 else []
-            if children:
-                req.children = []
-                for child in children:
-                    if child.is_finished:
-                        continue
-                    self.kv.fork(req.request_id, child.request_id)
-                    self.runner.fork_overlay(req, child)
-                    child.num_computed_tokens = req.num_computed_tokens
-                    child.num_cached_tokens = req.num_cached_tokens
-                    child.prompt_logprobs = req.prompt_logprobs
-                    child.first_scheduled_time = req.first_scheduled_time
-                    self.scheduler.add_forked(child)
-                    self._append_token(child, ro, now)
-            self._append_token(req, ro, now)
+        for req in self.scheduler.update_from_output(so, ro.sampled, now, self._fork_children):
+            self._process_token(req, ro, now)
             touched.add(req.parent_id or req.request_id)
         for req in so.finished:
             touched.add(req.parent_id or req.request_id)
         return self._collect_outputs(touched)
 
-    def _append_token(self, req: Request, ro: RunnerOutput, now: float) -> None:
-        token = ro.sampled[req.request_id]
-        req.append_output_token(token)
+    def _fork_children(self, req: Request) -> list[Request]:
+        """n > 1: the parent's prompt is computed; its children share its blocks from now on."""
+        children, req.children = req.children, []
+        forked = []
+        for child in children:
+            if child.is_finished:
+                continue
+            self.kv.fork(req.request_id, child.request_id)
+            self.runner.fork_overlay(req, child)
+            child.num_computed_tokens = req.num_computed_tokens
+            child.num_cached_tokens = req.num_cached_tokens
+            child.prompt_logprobs = req.prompt_logprobs
+            child.first_scheduled_time = req.first_scheduled_time
+            self.scheduler.add_forked(child)
+            forked.append(child)
+        return forked
+
+    def _process_token(self, req: Request, ro: RunnerOutput, now: float) -> None:
+        """What the new token needs beyond the scheduler's update: logprobs, text, stop strings."""
+        token = req.output_token_ids[-1]
         self.num_generated_tokens += 1
         lp = ro.logprobs.get(req.request_id)
         if lp is not None:
             self._decode_logprobs(lp)
             req.logprobs.append(lp)
             req.cumulative_logprob += lp[token].logprob
-        if req.first_token_time is None:
-            req.first_token_time = now
-        req.last_token_time = now
-        reason = self._check_stop(req, token)
-        # The text: each token is detokenized once; stop strings only over the new text.
-        stop_str = req.detokenizer.update([token], reason == "stop")
+        # Each token is detokenized once; stop strings are searched in the new text only.
+        stop_terminated = req.is_finished and req.finish_reason == "stop"
+        stop_str = req.detokenizer.update([token], stop_terminated)
         if stop_str is not None:
-            reason, req.stop_reason = "stop", stop_str
-        if reason is not None:
-            self.scheduler.finish_request(req, reason)
-            req.finished_time = now
+            req.stop_reason = stop_str
+            if req.is_finished:  # it also hit its length: the stop string names the reason
+                req.finish_reason = "stop"
+            else:
+                self.scheduler.finish_request(req, "stop")
+                req.finished_time = now
 
     def _decode_logprobs(self, d: dict[int, Logprob]) -> None:
         """Fill each Logprob's ``decoded_token`` (the token's text alone, cached by id)."""
@@ -374,19 +368,6 @@ class LLMEngine:
             if text is None:
                 text = cache[t] = tok.decode([t])
             lp.decoded_token = text
-
-    def _check_stop(self, req: Request, token: int) -> str | None:
-        """The token-level stops: EOS, a stop token id, the length cap."""
-        p = req.sampling_params
-        past_min = req.num_output_tokens >= p.min_tokens
-        if past_min and not p.ignore_eos and token in req.eos_token_ids:
-            return "stop"
-        if past_min and token in p.stop_token_ids:
-            req.stop_reason = token
-            return "stop"
-        if req.num_output_tokens >= req.max_output_tokens:
-            return "length"
-        return None
 
     def _account_swaps(self, so: SchedulerOutput, ro: RunnerOutput) -> None:
         st = self.swap_stats

@@ -10,9 +10,10 @@ decides: no tensors here, so the simulator replays exactly this code with a cost
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kvledger.cache.kv_cache_manager import KVCacheManager
+from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel, select_victim
 from kvledger.core.request import Request, RequestStatus
@@ -271,6 +272,57 @@ class Scheduler:
         self.kv.cache_computed_blocks(so.scheduled)
         return due
 
+    def update_from_output(
+        self,
+        so: SchedulerOutput,
+        sampled: Mapping[str, int] | Callable[[Request], int],
+        now: float,
+        fork: Callable[[Request], list[Request]] | None = None,
+    ) -> list[Request]:
+        """The one post-step update (vLLM v1's name), for the engine and the simulator alike.
+
+        Accounts the step's computed tokens and publishes full blocks, then appends each due
+        request's sampled token (``sampled``: by request id, or a function of the request, as
+        the simulator's placeholder tokens) and finishes it at EOS, a stop token id or its
+        length. ``fork`` (the engine's) turns an n > 1 parent's children into running
+        requests once the shared prompt is computed. Returns the requests that got a token,
+        children before their parent; what needs the tokenizer (text, stop strings) is the
+        caller's.
+        """
+        token_of = sampled if callable(sampled) else (lambda r: sampled[r.request_id])
+        updated = []
+        for req in self.update_after_step(so, now):
+            if fork is not None and req.children and req.num_output_tokens == 0:
+                for child in fork(req):
+                    self._append_token(child, token_of(child), now)
+                    updated.append(child)
+            self._append_token(req, token_of(req), now)
+            updated.append(req)
+        return updated
+
+    def _append_token(self, req: Request, token: int, now: float) -> None:
+        req.append_output_token(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        reason = check_stop(req, token)
+        if reason is not None:
+            self.finish_request(req, reason)
+            req.finished_time = now
+
+    def check_prompt(self, num_prompt_tokens: int) -> str | None:
+        """Why a prompt of this many tokens can never run here; None if it can."""
+        n, max_len = num_prompt_tokens, self.config.max_model_len
+        if max_len is not None and n >= max_len:
+            return (
+                f"prompt has {n} tokens, but the model's context is {max_len} tokens "
+                "(max_model_len) including at least one output token"
+            )
+        need = cdiv(n + 1, self.kv.block_size)
+        if need > self.kv.pool.num_blocks:
+            return f"prompt of {n} tokens needs {need} KV blocks; the pool only has {self.kv.pool.num_blocks}"
+        return None
+
     def _start_running(self, req: Request) -> None:
         if req.num_preemptions:
             req.last_resumed_step = self.step
@@ -318,3 +370,18 @@ class Scheduler:
         else:
             i = len(queue)
         queue.insert(i, req)
+
+
+def check_stop(req: Request, token: int) -> str | None:
+    """The token-level stops after ``token`` was appended: EOS, a stop token id (both from
+    ``min_tokens`` on), then the length cap. Stop strings need text: the engine's."""
+    p = req.sampling_params
+    if req.num_output_tokens >= p.min_tokens:
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return "stop"
+    if req.num_output_tokens >= req.max_output_tokens:
+        return "length"
+    return None

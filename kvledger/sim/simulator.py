@@ -1,9 +1,9 @@
 """Trace replay over the engine's own Scheduler and KVCacheManager, on a virtual clock.
 
 Each step: requests whose arrival time has come are added, ``Scheduler.schedule()`` decides,
-the clock advances by the step-time model, and the engine's post-step update runs (computed
-tokens advance, full blocks are published to the prefix cache, a due token is appended and the
-request finishes at its output length). Nothing about scheduling is reimplemented here: the
+the clock advances by the step-time model, and the engine's post-step update runs
+(``Scheduler.update_from_output``: computed tokens advance, full blocks are published to the
+prefix cache, a due token is appended and the request finishes at its output length). Nothing about scheduling is reimplemented here: the
 simulator only supplies time and placeholder token ids, so its decisions are the engine's.
 
 Memory figures are sampled right after ``schedule()`` (the blocks held while the step runs) and
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv
+from kvledger.cache.kv_cache_manager import KVCacheManager
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.request import Request
@@ -60,19 +60,9 @@ def apply_step_update(
     next_token: Callable[[Request], int],
     now: float,
 ) -> list[Request]:
-    """The engine's post-step update (``Scheduler.update_after_step``), then a placeholder
-    token for each due request, finishing it at its output length; returns the finished."""
-    finished = []
-    for req in scheduler.update_after_step(so, now):
-        req.append_output_token(next_token(req))
-        if req.first_token_time is None:
-            req.first_token_time = now
-        req.last_token_time = now
-        if req.num_output_tokens >= req.max_output_tokens:
-            scheduler.finish_request(req, "length")
-            req.finished_time = now
-            finished.append(req)
-    return finished
+    """The engine's post-step update (``Scheduler.update_from_output``) with a placeholder
+    token for each due request; returns the requests it finished."""
+    return [r for r in scheduler.update_from_output(so, next_token, now) if r.is_finished]
 
 
 # ---------------------------------------------------------------- placeholder tokens
@@ -323,20 +313,12 @@ class Simulator:
         self._validate()
 
     def _validate(self) -> None:
-        """The engine's prompt checks (``LLMEngine.validate_prompt``), per trace request."""
-        max_len, bs, nb = self.sc.max_model_len, self.cc.block_size, self.kv.pool.num_blocks
+        """The engine's prompt checks (``Scheduler.check_prompt``), per trace request."""
         for i, r in enumerate(self.trace):
-            where = f"trace line {r.line}" if r.line else f"request {i}"
-            if r.prompt_len >= max_len:
-                raise ConfigError(
-                    f"{where}: prompt_len {r.prompt_len} leaves no room for output within "
-                    f"max_model_len {max_len}"
-                )
-            if cdiv(r.prompt_len + 1, bs) > nb:
-                raise ConfigError(
-                    f"{where}: prompt_len {r.prompt_len} needs {cdiv(r.prompt_len + 1, bs)} KV "
-                    f"blocks; the pool only has {nb}"
-                )
+            why = self.scheduler.check_prompt(r.prompt_len)
+            if why is not None:
+                where = f"trace line {r.line}" if r.line else f"request {i}"
+                raise ConfigError(f"{where}: {why}")
 
     def _new_request(self, index: int, row: TraceRequest, key_time: float) -> Request:
         return Request(
