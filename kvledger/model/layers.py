@@ -59,8 +59,39 @@ class Linear(nn.Module):
         if self.packed is not None:
             if self.native_small and x.dim() == 2 and x.shape[0] <= native.SMALL_GEMM_MAX_ROWS:
                 return native.small_gemm(x, self.weight, self.bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return _bucketed_rows(
+                x, lambda t: torch.ops.mkldnn._linear_pointwise(t, self.packed, self.bias, "none", [], "")
+            )
+        if x.device.type == "cpu":
+            return _bucketed_rows(x, lambda t: F.linear(t, self.weight, self.bias))
         return F.linear(x, self.weight, self.bias)
+
+
+def gemm_rows_bucket(m: int) -> int:
+    """The row count a CPU GEMM of ``m`` rows is padded to.
+
+    oneDNN (and ideep in front of it) build and cache a primitive per GEMM shape, ~250 KB each,
+    in LRU caches of 1,024 entries: with every prefill length its own shape, a server's resident
+    memory grew by hundreds of MiB over thousands of requests, and each new length paid for a
+    primitive's creation (issue 23). Rounding up to a multiple of 16 below 256 rows (where a
+    GEMM streams its weight, so extra rows are nearly free) and to 8 steps per power of two
+    above (<= 12.5 % padding where it computes) leaves ~40 shapes per weight up to 2,048 rows.
+    """
+    if m <= 16:
+        return m
+    step = max(16, 1 << max(0, (m - 1).bit_length() - 4))
+    return -(-m // step) * step
+
+
+def _bucketed_rows(x: torch.Tensor, matmul) -> torch.Tensor:
+    """``matmul(x)`` for a 2-D x, computed on x padded with zero rows to its bucket."""
+    if x.dim() != 2:
+        return matmul(x)
+    m = x.shape[0]
+    mp = gemm_rows_bucket(m)
+    if mp == m:
+        return matmul(x)
+    return matmul(F.pad(x, (0, 0, 0, mp - m)))[:m]
 
 
 def can_pack_linear(dtype: torch.dtype, device: torch.device) -> bool:
