@@ -63,13 +63,18 @@ class BlockPool:
         token_ids: tuple[int, ...],
         parent_block_id: int | None,
         salt: str | None = None,
+        check_parent: bool = True,
     ) -> int | None:
-        """Block id holding exactly this content after this parent, or None."""
+        """Block id holding exactly this content after this parent, or None. check_parent
+        False (sliding windows, whose earlier blocks may be gone): the chained hash alone
+        stands for the prefix before the block."""
         block_id = self._hash_index.get(block_hash)
         if block_id is None:
             return None
         blk = self.blocks[block_id]
-        if blk.token_ids != token_ids or blk.parent_block_id != parent_block_id or blk.salt != salt:
+        if blk.token_ids != token_ids or blk.salt != salt:
+            return None
+        if check_parent and blk.parent_block_id != parent_block_id:
             return None
         return block_id
 

@@ -22,6 +22,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Block-table entry of a block released because it fell wholly outside the sliding window
+# (-1 marks a block swapped out to the host).
+RELEASED = -2
+
+
+def first_live_block(next_position: int, window: int, block_size: int) -> int:
+    """Blocks before this one hold no key that a query at next_position or later can see:
+    such a query sees positions p - window < j <= p only."""
+    return max(0, next_position - window + 1) // block_size
+
+
 @dataclass(slots=True)
 class _RequestBlocks:
     block_table: list[int] = field(default_factory=list)  # -1 where the block is on the host
@@ -32,6 +43,7 @@ class _RequestBlocks:
     host_blocks: dict[int, int] = field(default_factory=dict)  # logical idx -> host block
     # Between swap_out and swap_in, even when no block had to move (all of them shared).
     swapped: bool = False
+    num_released: int = 0  # leading entries released from the sliding window (RELEASED)
 
 
 class KVCacheManager:
@@ -42,9 +54,17 @@ class KVCacheManager:
         bytes_per_token: int = 0,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
+        """``sliding_window``: every layer attends to its last ``sliding_window`` tokens only
+        (Mistral v0.1, Mixtral, Phi-3 with a window...), so blocks that fall wholly outside it
+        are released as the request advances and stop being charged; a prefix-cache hit then
+        needs only the blocks the window still covers."""
         if block_size <= 0:
             raise CacheError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise CacheError(f"sliding_window must be positive, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token
         self.bytes_per_block = bytes_per_token * block_size
@@ -126,6 +146,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
+        if self.sliding_window is not None:
+            return self._window_hit(token_ids, salt)
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         hits: list[int] = []
@@ -141,6 +163,50 @@ class KVCacheManager:
             parent_hash, parent_id = h, block_id
         return hits, len(hits) * bs
 
+    def _window_hit(self, token_ids: list[int], salt: str | None) -> tuple[list[int], int]:
+        """Longest prefix whose window is cached: blocks before the window may be gone (they
+        are returned as RELEASED). Within the run, each block's parent is checked by id as in
+        the full-attention lookup; the run's first block is matched by its chained hash."""
+        bs, window = self.block_size, self.sliding_window
+        max_blocks = (len(token_ids) - 1) // bs
+        ids: list[int | None] = []
+        run: list[int] = []  # length of the verified run of cached blocks ending at each index
+        parent_hash: int | None = None
+        for i in range(max_blocks):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            block_salt = salt if i == 0 else None
+            h = hash_block(parent_hash, tokens, block_salt)
+            parent_hash = h
+            block_id = self.pool.lookup(h, tokens, None, block_salt, check_parent=False)
+            ids.append(block_id)
+            if block_id is None:
+                run.append(0)
+            elif i > 0 and run[i - 1] and self.pool.blocks[block_id].parent_block_id == ids[i - 1]:
+                run.append(run[i - 1] + 1)
+            else:
+                run.append(1)
+        for n in range(max_blocks, 0, -1):
+            first = first_live_block(n * bs, window, bs)
+            if run[n - 1] >= n - first:
+                return [RELEASED] * first + [b for b in ids[first:n]], n * bs
+        return [], 0
+
+    def _release_outside_window(self, req: _RequestBlocks, num_computed_tokens: int) -> None:
+        """Release the leading blocks no future query can see (sliding window)."""
+        dead = min(first_live_block(num_computed_tokens, self.sliding_window, self.block_size),
+                   len(req.block_table))
+        if dead <= req.num_released or req.swapped:
+            return
+        freed = []
+        for i in range(req.num_released, dead):
+            b = req.block_table[i]
+            if b >= 0:
+                freed.append(b)
+            req.block_table[i] = RELEASED
+        self.block_table_array[req.row, req.num_released : dead] = RELEASED
+        req.num_released = dead
+        self.pool.free(freed)
+
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_prompt_tokens
         self.prefix_cache_hits += num_hit_tokens
@@ -154,7 +220,7 @@ class KVCacheManager:
         bs = self.block_size
         if req is None:
             total = len(computed_blocks) * bs + num_new_tokens
-            revived = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+            revived = sum(1 for b in computed_blocks if b >= 0 and self.pool.blocks[b].ref_cnt == 0)
             return cdiv(total, bs) - len(computed_blocks) + revived
         nt = req.num_tokens
         need = (nt + num_new_tokens + bs - 1) // bs - len(req.block_table)
@@ -197,9 +263,11 @@ class KVCacheManager:
             return False
         if req is None:
             for b in computed_blocks:
-                self.pool.touch(b)
+                if b >= 0:
+                    self.pool.touch(b)
             req = self._new_entry(request_id, salt=salt, block_table=list(computed_blocks))
             req.num_tokens = len(computed_blocks) * self.block_size
+            req.num_released = sum(1 for b in computed_blocks if b == RELEASED)
             # Hashes of reused blocks are recomputed lazily by cache_blocks from token ids.
         if num_new_tokens == 0:
             return True
@@ -278,15 +346,19 @@ class KVCacheManager:
     def cache_computed_blocks(self, scheduled) -> None:
         """``cache_blocks`` for a step's requests (objects with ``.request``): the per-step
         hot path, which skips in line the requests that filled no new block."""
-        if not self.enable_prefix_caching:
+        window = self.sliding_window
+        if not self.enable_prefix_caching and window is None:
             return
         bs = self.block_size
         reqs = self.requests
         for s in scheduled:
             req = s.request
             rid = req.request_id
-            if req.num_computed_tokens // bs > len(reqs[rid].block_hashes):
+            if self.enable_prefix_caching and req.num_computed_tokens // bs > len(reqs[rid].block_hashes):
                 self.cache_blocks(rid, req.all_token_ids, req.num_computed_tokens)
+            if window is not None and rid in reqs:
+                # After publishing: a released block stays in the prefix cache until evicted.
+                self._release_outside_window(reqs[rid], req.num_computed_tokens)
 
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Publish the request's blocks that became full (and computed) under their hashes."""
@@ -304,9 +376,10 @@ class KVCacheManager:
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash_block(parent_hash, tokens, req.salt if i == 0 else None)
             parent_id = req.block_table[i - 1] if i > 0 else None
-            self.pool.register_full_block(
-                req.block_table[i], h, tokens, parent_id, req.salt if i == 0 else None
-            )
+            if req.block_table[i] >= 0:  # not a block released from the window
+                self.pool.register_full_block(
+                    req.block_table[i], h, tokens, parent_id, req.salt if i == 0 else None
+                )
             req.block_hashes.append(h)
             parent_hash = h
 
@@ -319,13 +392,15 @@ class KVCacheManager:
         if parent.swapped:
             raise CacheError(f"cannot fork swapped-out request {parent_id!r}")
         for b in parent.block_table:
-            self.pool.touch(b)
+            if b >= 0:
+                self.pool.touch(b)
         self._new_entry(
             child_id,
             block_table=list(parent.block_table),
             num_tokens=parent.num_tokens,
             block_hashes=list(parent.block_hashes),
             salt=parent.salt,
+            num_released=parent.num_released,
         )
 
     def free(self, request_id: str) -> None:
@@ -345,7 +420,7 @@ class KVCacheManager:
             raise CacheError(f"request {request_id!r} is swapped out; swap it in first")
         keep = cdiv(num_tokens, self.block_size)
         if keep < len(req.block_table):
-            self.pool.free(list(reversed(req.block_table[keep:])))
+            self.pool.free([b for b in reversed(req.block_table[keep:]) if b >= 0])
             self.block_table_array[req.row, keep : len(req.block_table)] = 0
             del req.block_table[keep:]
         req.num_tokens = min(req.num_tokens, num_tokens)

@@ -117,7 +117,9 @@ class LLMEngine:
         self.cost_model = PreemptionCostModel(
             mode=sc.preemption_mode, recompute_threshold=sc.recompute_threshold
         )
-        self.scheduler = Scheduler.build(sc, cc, num_blocks, self.bytes_per_token, self.cost_model)
+        self.scheduler = Scheduler.build(
+            sc, cc, num_blocks, self.bytes_per_token, self.cost_model, self.spec.uniform_window
+        )
         self.kv = self.scheduler.kv
         num_host_blocks = self.kv.host_pool.num_blocks if self.kv.host_pool else 0
         self.host_pool = HostKVPool(num_host_blocks, self.kv_pool) if num_host_blocks else None

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv
+from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv, first_live_block
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel, select_victim
 from kvledger.core.request import Request, RequestStatus
@@ -54,8 +54,10 @@ class Scheduler:
         num_blocks: int,
         bytes_per_token: int,
         cost_model: PreemptionCostModel | None = None,
+        sliding_window: int | None = None,
     ) -> Scheduler:
         """The block manager and scheduler for a pool of ``num_blocks`` (engine and simulator).
+        ``sliding_window``: every layer attends to a window (see KVCacheManager).
 
         The host swap pool holds ``swap_space`` GiB, at most as many blocks as the device pool,
         and none when preemption is recompute-only.
@@ -70,6 +72,7 @@ class Scheduler:
             bytes_per_token=bytes_per_token,
             enable_prefix_caching=cache.enable_prefix_caching,
             num_host_blocks=num_host,
+            sliding_window=sliding_window,
         )
         return cls(config, kv, cost_model)
 
@@ -146,6 +149,7 @@ class Scheduler:
         plan: list[ScheduledRequest] = []
         items: list[tuple[str, int]] = []  # (request_id, tokens) for the block manager
         total_blocks = self.kv.pool.num_blocks
+        window = self.kv.sliding_window
         ended: list[Request] = []
         for req in self.running:
             n = len(req.all_token_ids) - req.num_computed_tokens
@@ -153,7 +157,10 @@ class Scheduler:
                 n = budget
             if n <= 0:
                 continue
-            if (req.num_computed_tokens + n + bs - 1) // bs > total_blocks:
+            alone = (req.num_computed_tokens + n + bs - 1) // bs
+            if window is not None:  # blocks behind the window are released, not needed
+                alone -= first_live_block(req.num_computed_tokens, window, bs)
+            if alone > total_blocks:
                 ended.append(req)  # it can never fit, even alone: stop it (after the loop)
                 continue
             plan.append(ScheduledRequest(req, n))
@@ -319,6 +326,9 @@ class Scheduler:
                 "(max_model_len) including at least one output token"
             )
         need = cdiv(n + 1, self.kv.block_size)
+        window = self.kv.sliding_window
+        if window is not None:  # blocks behind the window are released while it prefills
+            need = min(need, cdiv(window + self.config.max_num_batched_tokens, self.kv.block_size) + 1)
         if need > self.kv.pool.num_blocks:
             return f"prompt of {n} tokens needs {need} KV blocks; the pool only has {self.kv.pool.num_blocks}"
         return None

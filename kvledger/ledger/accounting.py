@@ -70,6 +70,12 @@ class ModelSpec:
         return self.num_layers - self.num_sliding_layers
 
     @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has one: then the block manager itself can release
+        blocks outside it (one block holds every layer's K/V, see KVCacheManager)."""
+        return self.sliding_window if self.num_sliding_layers == self.num_layers else None
+
+    @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 

@@ -148,6 +148,7 @@ class SimSetup:
             self.resolved_cost_model,
             static_batch=self.static_batch,
             naive_max_seq_len=self.naive_max_seq_len,
+            sliding_window=self.spec.uniform_window,
         )
 
     def run(self, trace: list[TraceRequest]) -> SimResult:

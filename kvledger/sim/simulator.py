@@ -49,9 +49,10 @@ def build_scheduler(
     num_blocks: int,
     bytes_per_token: int,
     cost_model: PreemptionCostModel,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     """The cache manager and scheduler exactly as the engine builds them."""
-    return Scheduler.build(sc, cc, num_blocks, bytes_per_token, cost_model)
+    return Scheduler.build(sc, cc, num_blocks, bytes_per_token, cost_model, sliding_window)
 
 
 def apply_step_update(
@@ -285,7 +286,10 @@ class Simulator:
         cost_model: StepCostModel,
         static_batch: int | None = None,
         naive_max_seq_len: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
+        """``sliding_window``: the model's window when every layer has one (ModelSpec.
+        uniform_window); blocks outside it are released as in the engine."""
         scheduler_config.validate()
         cache_config.validate()
         if num_blocks < 1:
@@ -306,6 +310,7 @@ class Simulator:
                 scheduler_config.preemption_mode,
                 recompute_threshold=scheduler_config.recompute_threshold,
             ),
+            sliding_window,
         )
         self.kv = self.scheduler.kv
         self.max_seq_len = naive_max_seq_len or scheduler_config.max_model_len
