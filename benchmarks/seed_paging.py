@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import print_header
-from kvledger.model import native
+from kvledger.model import host_memory, native
 from kvledger.model.attention import contiguous as C
 from kvledger.model.attention.torch_backend import _MAX_GROUP_BYTES
 from kvledger.model.kv_cache import PagedKVCache
@@ -45,15 +45,20 @@ from kvledger.model.kv_cache import PagedKVCache
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 BLOCK_SIZES = (1, 16, 32, 128)
 VARIANTS = ("paged", "paged_contig_layout", "contiguous")
+FLUSH_BYTES = 96 << 20  # written between timed calls: > this EPYC's 32 MiB L3 per CCD
 
 
-def _timeit(fns: dict, reps: int) -> dict[str, float]:
-    """Best-of-reps seconds per call of each fn, interleaved round-robin (fair under load)."""
+def _timeit(fns: dict, reps: int, flush: torch.Tensor) -> dict[str, float]:
+    """Best-of-reps seconds per call of each fn, interleaved round-robin (fair under load), each
+    call after writing ``flush`` (larger than the last-level cache, untimed) so that no variant
+    finds the K/V that the previous one left in cache: in a model, the other layers' KV and
+    the weights pass through the cache between two decode calls of one layer."""
     best = {k: float("inf") for k in fns}
     for f in fns.values():
         f()  # warm-up
     for _ in range(reps):
         for k, f in fns.items():
+            flush.add_(1.0)
             t0 = time.perf_counter()
             f()
             best[k] = min(best[k], time.perf_counter() - t0)
@@ -102,8 +107,12 @@ def kernel_sweep(
     """Paged / paged-contiguous-layout / contiguous times for every (path, batch, context, bs)."""
     max_tokens = max(b * c for b in batches for c in contexts)
     g = torch.Generator().manual_seed(0)
-    # One pool's K and V, viewed as [2, blocks, bs, KV heads, head_dim] for each block size.
-    kv_flat = torch.randn(2, max_tokens * KV_HEADS * HEAD_DIM, generator=g)
+    # One pool's K and V, viewed as [2, blocks, bs, KV heads, head_dim] for each block size, in
+    # memory from the engine's own pool allocator (2 MiB pages where the kernel allows: on 4 KiB
+    # pages scattered blocks also pay a TLB miss each, which the engine's pool does not).
+    kv_flat = host_memory.zeros((2, max_tokens * KV_HEADS * HEAD_DIM), torch.float32)
+    kv_flat.normal_(generator=g)
+    flush = torch.zeros(FLUSH_BYTES // 4)
     scale = HEAD_DIM**-0.5
     rng = random.Random(0)
     makers = {"native": _native_variants, "torch": _torch_variants}
@@ -125,7 +134,7 @@ def kernel_sweep(
                 for path in paths:
                     if path not in makers:
                         continue
-                    t = _timeit(makers[path](q, kv, scattered, runs, lens, scale), reps)
+                    t = _timeit(makers[path](q, kv, scattered, runs, lens, scale), reps, flush)
                     r = {"path": path, "batch": batch, "context": ctx, "block_size": bs, **t}
                     r["ratio"] = r["paged"] / r["contiguous"]
                     r["ratio_layout"] = r["paged_contig_layout"] / r["contiguous"]
