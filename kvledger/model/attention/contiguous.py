@@ -16,7 +16,7 @@ Only the references live here; the engine never calls them.
 
 from __future__ import annotations
 
-import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -24,19 +24,30 @@ import torch.nn.functional as F
 from kvledger.model import native
 
 
-def _contig_fn():
-    lib = native.library()
-    if lib is None:
-        return None
-    fn = lib.kvl_contig_decode
-    if fn.argtypes is None:  # the same signature as kvl_paged_decode
+class _ContigLibrary:
+    """native.library() with kvl_paged_decode swapped for kvl_contig_decode (same signature, as
+    the same source compiled twice), so that contig_decode goes through native.paged_decode's
+    own argument marshalling and follows any change to it."""
+
+    def __init__(self, lib) -> None:
+        self._lib = lib
+        fn = lib.kvl_contig_decode
         fn.argtypes = lib.kvl_paged_decode.argtypes
-        fn.restype = ctypes.c_int
-    return fn
+        fn.restype = lib.kvl_paged_decode.restype
+        self.kvl_paged_decode = fn
+
+    def __getattr__(self, name: str):
+        return getattr(self._lib, name)
+
+
+@functools.cache
+def _contig_library() -> _ContigLibrary | None:
+    lib = native.library()
+    return None if lib is None else _ContigLibrary(lib)
 
 
 def contig_available() -> bool:
-    return _contig_fn() is not None
+    return _contig_library() is not None
 
 
 def contiguous_runs(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> bool:
@@ -66,40 +77,23 @@ def contig_decode(
     first_blocks may be a [B] vector or a [B, n] table of which only column 0 is used. check=False
     skips the bounds check (timed callers whose runs are known, so that the Python overhead
     matches native.paged_decode's)."""
-    fn = _contig_fn()
-    if fn is None:
+    lib = _contig_library()
+    if lib is None:
         raise RuntimeError("native kernels are not available on this machine")
     if first_blocks.dim() == 1:
         first_blocks = first_blocks[:, None]
     first_blocks = first_blocks.to(torch.int64).contiguous()
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if check:
+        num_blocks, block_size = k_cache.shape[:2]
         ends = first_blocks[:, 0] * block_size + seq_lens
         if bool((first_blocks[:, 0] < 0).any()) or int(ends.max()) > num_blocks * block_size:
             raise ValueError("contig_decode: a request's run of blocks passes the end of the cache")
-    rc = fn(
-        q.data_ptr(),
-        q.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        first_blocks.data_ptr(),
-        first_blocks.stride(0),
-        seq_lens.data_ptr(),
-        rows.data_ptr(),
-        rows.shape[0],
-        out.data_ptr(),
-        out.stride(0),
-        q.shape[1],
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise ValueError(
-            f"contig_decode: unsupported arguments (q {tuple(q.shape)}, cache {tuple(k_cache.shape)})"
-        )
+    real = native.library
+    native.library = lambda: lib
+    try:
+        native.paged_decode(q, k_cache, v_cache, first_blocks, seq_lens, rows, out, scale)
+    finally:
+        native.library = real
 
 
 def _sdpa_decode(
