@@ -6,10 +6,15 @@ ledger's counts: free + cached + used + shared = total blocks, used + shared = t
 ``used_blocks``, shared = ``shared_blocks``, cached = ``cached_blocks``, swapped-out = the
 host pool's used blocks. Large pools are grouped (``group_size`` consecutive blocks per cell)
 so the map stays a few thousand cells whatever the pool size.
+
+Two halves: ``PoolState.capture`` copies the raw state (a few list copies, cheap enough for the
+engine thread between steps); ``build_block_map`` turns it into cells anywhere else (the server
+runs it in a worker thread, so a large pool does not hold up the engine).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv
@@ -26,7 +31,39 @@ def _hash_hex(h: int | None) -> str | None:
     return None if h is None else f"{h & (2**64 - 1):016x}"
 
 
+@dataclass
+class PoolState:
+    """The pool's raw state at one instant: plain lists, safe to read in any thread."""
+
+    block_size: int
+    ref_cnts: list[int]
+    hashes: list[int | None]
+    # (request id, tokens its table covers, device block table (-1: on the host), host blocks)
+    tables: list[tuple[str, int, list[int], list[int]]]
+    host_ref_cnts: list[int] | None  # None: no host swap pool
+
+    @classmethod
+    def capture(cls, kv: KVCacheManager) -> PoolState:
+        blocks = kv.pool.blocks
+        host = kv.host_pool
+        return cls(
+            block_size=kv.block_size,
+            ref_cnts=[b.ref_cnt for b in blocks],
+            hashes=[b.block_hash for b in blocks],
+            tables=[
+                (rid, r.num_tokens, r.block_table[:], list(r.host_blocks.values()))
+                for rid, r in kv.requests.items()
+            ],
+            host_ref_cnts=None if host is None else [b.ref_cnt for b in host.blocks],
+        )
+
+
 def block_map(kv: KVCacheManager, max_cells: int = 2048) -> dict[str, Any]:
+    """``build_block_map`` of the manager's state now."""
+    return build_block_map(PoolState.capture(kv), max_cells)
+
+
+def build_block_map(state: PoolState, max_cells: int = 2048) -> dict[str, Any]:
     """The device pool cell by cell, plus the host swap pool; JSON-serialisable as is.
 
     Each cell: ``c`` = counts per state (``STATES`` order), ``o`` = up to
@@ -35,15 +72,15 @@ def block_map(kv: KVCacheManager, max_cells: int = 2048) -> dict[str, Any]:
     """
     if max_cells < 1:
         raise ValueError(f"max_cells must be >= 1, got {max_cells}")
-    pool, bs = kv.pool, kv.block_size
-    n = pool.num_blocks
+    bs, refs, hashes = state.block_size, state.ref_cnts, state.hashes
+    n = len(refs)
     group = cdiv(n, max_cells)
     owners: dict[int, list[str]] = {}
     fill: dict[int, int] = {}
     host_owner: dict[int, str] = {}
-    for rid, req in kv.requests.items():
-        num_tokens, full = req.num_tokens, req.num_tokens // bs
-        for i, b in enumerate(req.block_table):
+    for rid, num_tokens, table, host_blocks in state.tables:
+        full = num_tokens // bs
+        for i, b in enumerate(table):
             if b < 0:
                 continue
             held = owners.get(b)
@@ -55,48 +92,46 @@ def block_map(kv: KVCacheManager, max_cells: int = 2048) -> dict[str, Any]:
                 held.append(rid)
                 if f > fill[b]:
                     fill[b] = f
-        for h in req.host_blocks.values():
+        for h in host_blocks:
             host_owner[h] = rid
-    blocks = pool.blocks
+    # One pass for the states, then C-speed counts per cell; holders only where there are any.
+    codes = [
+        (FREE if h is None else CACHED) if r == 0 else (USED if r == 1 else SHARED)
+        for r, h in zip(refs, hashes)
+    ]
     cells: list[dict[str, Any]] = []
-    counts = [0, 0, 0, 0]
     for start in range(0, n, group):
-        c = [0, 0, 0, 0]
-        who: list[str] = []
-        holders = tokens = 0
-        for b in range(start, min(start + group, n)):
-            blk = blocks[b]
-            ref = blk.ref_cnt
-            if ref == 0:
-                c[FREE if blk.block_hash is None else CACHED] += 1
-                continue
-            c[USED if ref == 1 else SHARED] += 1
-            held = owners[b]
-            holders += len(held)
-            tokens += fill[b]
-            if len(who) < MAX_OWNERS_SHOWN:
-                for r in held:
-                    if len(who) < MAX_OWNERS_SHOWN and r not in who:
-                        who.append(r)
-        for s in range(4):
-            counts[s] += c[s]
-        cell: dict[str, Any] = {"c": c}
-        if holders:
-            cell.update(o=who, n=holders, t=tokens)
-        if group == 1:
-            blk = blocks[start]
-            cell["h"] = _hash_hex(blk.block_hash)
-            cell["r"] = blk.ref_cnt
-        cells.append(cell)
-    host = kv.host_pool
+        seg = codes[start : start + group]
+        cells.append(
+            {"c": [seg.count(FREE), seg.count(CACHED), seg.count(USED), seg.count(SHARED)]}
+        )
+    for b in sorted(owners):
+        cell = cells[b // group]
+        held = owners[b]
+        if "n" not in cell:
+            cell.update(o=[], n=0, t=0)
+        cell["n"] += len(held)
+        cell["t"] += fill[b]
+        who = cell["o"]
+        for r in held:
+            if len(who) >= MAX_OWNERS_SHOWN:
+                break
+            if r not in who:
+                who.append(r)
+    if group == 1:
+        for b, cell in enumerate(cells):
+            cell["h"] = _hash_hex(hashes[b])
+            cell["r"] = refs[b]
+    counts = [codes.count(s) for s in range(4)]
+    host = state.host_ref_cnts
     host_cells = []
-    if host is not None:
-        hgroup = cdiv(host.num_blocks, max_cells)
-        for start in range(0, host.num_blocks, hgroup):
-            ids = range(start, min(start + hgroup, host.num_blocks))
-            used = [h for h in ids if host.blocks[h].ref_cnt > 0]
-            who = list(dict.fromkeys(host_owner[h] for h in used if h in host_owner))
-            host_cells.append({"c": [len(ids) - len(used), len(used)], "o": who[:MAX_OWNERS_SHOWN]})
+    hn = len(host) if host is not None else 0
+    hgroup = cdiv(hn, max_cells) if hn else 1
+    for start in range(0, hn, hgroup):
+        ids = range(start, min(start + hgroup, hn))
+        used = [h for h in ids if host[h] > 0]
+        who = list(dict.fromkeys(host_owner[h] for h in used if h in host_owner))
+        host_cells.append({"c": [len(ids) - len(used), len(used)], "o": who[:MAX_OWNERS_SHOWN]})
     return {
         "states": list(STATES),
         "num_blocks": n,
@@ -105,11 +140,7 @@ def block_map(kv: KVCacheManager, max_cells: int = 2048) -> dict[str, Any]:
         "cells": cells,
         "counts": {
             **dict(zip(STATES, counts)),
-            "swapped_out": host.num_used_blocks if host is not None else 0,
+            "swapped_out": sum(1 for r in host if r > 0) if host is not None else 0,
         },
-        "host": {
-            "num_blocks": host.num_blocks if host is not None else 0,
-            "group_size": cdiv(host.num_blocks, max_cells) if host is not None else 1,
-            "cells": host_cells,
-        },
+        "host": {"num_blocks": hn, "group_size": hgroup, "cells": host_cells},
     }

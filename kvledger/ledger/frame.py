@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from kvledger.ledger.block_map import block_map
+from kvledger.ledger.block_map import PoolState, build_block_map
 from kvledger.ledger.snapshot import LedgerSnapshot
 
 SERIES_KEYS = ("t", "usage", "used", "running", "waiting", "swapped", "tokens", "swap", "recompute")
@@ -105,6 +105,28 @@ def request_rows(snap: LedgerSnapshot, scheduler: Any, max_rows: int = 64) -> li
     return rows
 
 
+def capture_frame_parts(
+    scheduler: Any,
+    snap: LedgerSnapshot,
+    *,
+    time: float,
+    max_model_len: int,
+    reference_bytes_per_token: int = 0,
+    max_rows: int = 64,
+) -> tuple[dict[str, Any], PoolState]:
+    """A frame less its block map, and the raw pool state to build the map from (anywhere,
+    later: ``build_block_map``). ``snap`` must come from ``scheduler.kv`` at the same instant."""
+    ledger = ledger_body(snap, scheduler)
+    ledger.pop("requests")  # the request table below carries them
+    frame = {
+        "time": time,
+        "ledger": ledger,
+        "totals": totals(snap, max_model_len, reference_bytes_per_token),
+        "requests": request_rows(snap, scheduler, max_rows),
+    }
+    return frame, PoolState.capture(scheduler.kv)
+
+
 def capture_frame(
     scheduler: Any,
     snap: LedgerSnapshot,
@@ -115,16 +137,17 @@ def capture_frame(
     max_cells: int = 2048,
     max_rows: int = 64,
 ) -> dict[str, Any]:
-    """A whole frame; ``snap`` must come from ``scheduler.kv`` at the same instant."""
-    ledger = ledger_body(snap, scheduler)
-    ledger.pop("requests")  # the request table below carries them
-    return {
-        "time": time,
-        "ledger": ledger,
-        "block_map": block_map(scheduler.kv, max_cells),
-        "totals": totals(snap, max_model_len, reference_bytes_per_token),
-        "requests": request_rows(snap, scheduler, max_rows),
-    }
+    """A whole frame, block map included."""
+    frame, pool = capture_frame_parts(
+        scheduler,
+        snap,
+        time=time,
+        max_model_len=max_model_len,
+        reference_bytes_per_token=reference_bytes_per_token,
+        max_rows=max_rows,
+    )
+    frame["block_map"] = build_block_map(pool, max_cells)
+    return frame
 
 
 def series_point(scheduler: Any, time: float, generated_tokens: int) -> dict[str, float]:

@@ -2,8 +2,9 @@
 
 Kept apart from the API routes: ``mount_dashboard`` is the whole hook into the app. A frame is
 captured in the engine thread between steps (``AsyncEngine.run_in_engine``), so the block map,
-the totals and the request table describe one instant; it is plain JSON, so the same call can
-later cross a process boundary. A sampler keeps the last minutes of a cheap time series (KV
+the totals and the request table describe one instant; only list copies happen there, the map's
+cells are built in a worker thread. Frames are plain JSON (and the raw pool state plain lists),
+so the same calls can later cross a process boundary. A sampler keeps the last minutes of a cheap time series (KV
 usage, queues, generated tokens, preemptions) from the server's start, whether or not a page is
 open. The API key rules are those of ``/v1/*``; a browser cannot send a header when it
 navigates, so the dashboard also takes the key as ``?key=``.
@@ -25,7 +26,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from kvledger.core.async_engine import AsyncEngine, EngineDeadError
 from kvledger.core.engine import LLMEngine
 from kvledger.ledger.accounting import kv_bytes_per_token
-from kvledger.ledger.frame import SeriesHistory, capture_frame, series_point
+from kvledger.ledger.block_map import PoolState, build_block_map
+from kvledger.ledger.frame import SeriesHistory, capture_frame_parts, series_point
 from kvledger.server.page import render_page
 from kvledger.server.protocol import ErrorInfo, ErrorResponse
 
@@ -47,9 +49,10 @@ def reference_bytes_per_token(eng: LLMEngine) -> int:
     return kv_bytes_per_token(spec, "auto").total
 
 
-def engine_frame(eng: LLMEngine, reference_bpt: int) -> dict[str, Any]:
-    """A frame of the live engine; call it in the engine thread."""
-    return capture_frame(
+def engine_frame(eng: LLMEngine, reference_bpt: int) -> tuple[dict[str, Any], PoolState]:
+    """A frame of the live engine less its block map, and the pool state to draw it from; call
+    it in the engine thread (a few list copies: the map itself is built elsewhere)."""
+    return capture_frame_parts(
         eng.scheduler,
         eng.ledger(),
         time=time.time(),
@@ -107,7 +110,8 @@ def mount_dashboard(
         denied = _check_key(request, api_key)
         if denied is not None:
             return denied
-        frame = await aengine.run_in_engine(lambda eng: engine_frame(eng, reference_bpt))
+        frame, pool = await aengine.run_in_engine(lambda eng: engine_frame(eng, reference_bpt))
+        frame["block_map"] = await asyncio.to_thread(build_block_map, pool)
         frame["ledger"]["model"] = model_name
         frame["ledger"]["max_model_len"] = aengine.engine.max_model_len
         return JSONResponse(
