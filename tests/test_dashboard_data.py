@@ -139,7 +139,8 @@ def tiny_engine(stories_path):
     from kvledger.core.engine import LLMEngine
     from kvledger.llm import build_engine_config
 
-    return LLMEngine(build_engine_config(str(stories_path), num_kv_blocks=32))
+    config = build_engine_config(str(stories_path), num_kv_blocks=32, calibrate_preemption=False)
+    return LLMEngine(config)
 
 
 def test_dashboard_route_follows_the_api_key_and_can_be_turned_off(tiny_engine):

@@ -173,6 +173,10 @@ def build_trace(args: argparse.Namespace, max_prompt_len: int):
 def run(args: argparse.Namespace) -> int:
     from kvledger.sim.trace import write_trace
 
+    if args.html:
+        from kvledger.sim.html import check_html_path
+
+        check_html_path(args.html)
     setup = build_setup(args)
     setup.resolve()
     trace = build_trace(args, setup.max_model_len - 1)

@@ -9,6 +9,7 @@ is the server's own dashboard page with the recording embedded: no server, nothi
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,18 @@ class FrameRecorder:
             "frames": frames,
             "series": points,
         }
+
+
+def check_html_path(path: str | Path) -> None:
+    """Fail before the run, not after it, on a path that cannot be written."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"cannot write --html {str(p)!r}: it is a directory")
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"cannot write --html {str(p)!r}: {str(parent)!r} is not writable")
 
 
 def write_html(recording: dict[str, Any], path: str | Path) -> Path:
