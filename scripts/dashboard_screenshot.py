@@ -2,8 +2,8 @@
 
     python scripts/dashboard_screenshot.py [--out docs/img/dashboard.png]
 
-Starts `kvledger serve` on ../shared/models/stories260k with a small KV pool (so prefix
-sharing, swapping and preemption all show), drives it with concurrent completions through the
+Starts `kvledger serve` on ../shared/models/stories260k with a small int8 KV pool (so prefix
+sharing, swapping, preemption and quantisation savings all show), drives it with concurrent completions through the
 `openai` client (half of them share a long system prompt), and takes the screenshot in
 headless Chromium (Debian's `chromium` package, driven by playwright) once the pool is busy.
 """
@@ -75,7 +75,7 @@ def main() -> int:
     cmd = [sys.executable, "-m", "kvledger", "serve", str(STORIES), "--port", str(port),
            "--torch-threads", "1", "--num-kv-blocks", "80", "--max-num-seqs", "8",
            "--swap-space", "0.002", "--preemption-mode", "swap",
-           "--served-model-name", "stories260k"]  # fmt: skip
+           "--served-model-name", "stories260k", "--kv-cache-dtype", "int8"]  # fmt: skip
     server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     stop = threading.Event()
     threads = []

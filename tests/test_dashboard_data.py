@@ -172,3 +172,34 @@ def test_dashboard_route_follows_the_api_key_and_can_be_turned_off(tiny_engine):
         assert c.get("/dashboard").status_code == 404
         assert c.get("/dashboard/data").status_code == 404
         assert c.get("/health").status_code == 200
+
+
+def test_totals_paged_vs_naive_sharing_and_quantisation_arithmetic():
+    from kvledger.ledger.frame import totals
+    from kvledger.ledger.snapshot import LedgerSnapshot, RequestBlocks
+
+    reqs = {
+        # 40 tokens in 3 blocks, 2 of them shared with "b"; "b": 33 tokens; "s": swapped out.
+        "a": RequestBlocks(num_tokens=40, blocks=3, private_blocks=1, shared_blocks=2,
+                           swapped_blocks=0),
+        "b": RequestBlocks(num_tokens=33, blocks=3, private_blocks=1, shared_blocks=2,
+                           swapped_blocks=0),
+        "s": RequestBlocks(num_tokens=20, blocks=0, private_blocks=0, shared_blocks=0,
+                           swapped_blocks=2),
+    }  # fmt: skip
+    snap = LedgerSnapshot(
+        total_blocks=10, used_blocks=4, free_blocks=6, cached_blocks=0, block_size=16,
+        bytes_per_token=100, bytes_per_block=1600, tokens_stored=49, shared_blocks=2,
+        utilization=49 / 64, usage=0.4, requests=reqs, kv_cache_dtype="int8",
+        overlay_bytes=1000, sink_cache_bytes=200,
+    )  # fmt: skip
+    t = totals(snap, max_model_len=128, reference_bytes_per_token=400)
+    assert t["paged_utilization"] == 49 / 64
+    assert t["naive_utilization"] == (40 + 33) / (2 * 128)  # the swapped request holds no slot
+    assert t["naive_max_requests"] == 160 // 128 and t["resident_requests"] == 2
+    assert t["sharing_saved_blocks"] == 2 and t["sharing_saved_bytes"] == 3200
+    assert t["quantization_gross_saved_bytes"] == 300 * 49
+    assert t["quantization_saved_bytes"] == 300 * 49 - 1200
+    assert t["quantization_capacity_ratio"] == 160 * 400 / (16000 + 1000)
+    plain = totals(snap, max_model_len=128, reference_bytes_per_token=100)
+    assert plain["quantization_saved_bytes"] == 0

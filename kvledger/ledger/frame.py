@@ -35,7 +35,9 @@ def totals(snap: LedgerSnapshot, max_model_len: int, reference_bytes_per_token: 
       ``max_model_len`` contiguously per device-resident request would give (and how many
       requests such pre-allocation could hold in this pool at all);
     - sharing: device blocks that prefix sharing / forks saved (holders beyond the first);
-    - quantisation: bytes saved against the model dtype's KV bytes per token.
+    - quantisation: bytes the stored tokens save against the model dtype's KV bytes per token,
+      less the full-precision overlay and sink cache that quantised formats reserve; and how
+      many more tokens the same bytes hold.
     """
     bpt, bpb, bs = snap.bytes_per_token, snap.bytes_per_block, snap.block_size
     resident = [r for r in snap.requests.values() if r.blocks > 0]
@@ -45,6 +47,10 @@ def totals(snap: LedgerSnapshot, max_model_len: int, reference_bytes_per_token: 
     pool_tokens = snap.total_blocks * bs
     ref = reference_bytes_per_token or bpt
     q = snap.prefix_cache_queries
+    # Quantised formats keep sinks and a recent window per request in the model dtype, outside
+    # the blocks but inside the same budget: that overlay (and the sink cache) is the cost.
+    gross = (ref - bpt) * snap.tokens_stored
+    overhead = snap.overlay_bytes + snap.sink_cache_bytes if ref != bpt else 0
     return {
         "bytes_per_token": bpt,
         "bytes_per_block": bpb,
@@ -64,8 +70,12 @@ def totals(snap: LedgerSnapshot, max_model_len: int, reference_bytes_per_token: 
         "prefix_cache_hit_tokens": snap.prefix_cache_hits,
         "prefix_cache_hit_rate": snap.prefix_cache_hits / q if q else None,
         "reference_bytes_per_token": ref,
-        "quantization_saved_bytes": (ref - bpt) * snap.tokens_stored,
-        "quantization_capacity_ratio": ref / bpt if bpt else None,
+        "quantization_saved_bytes": gross - overhead,
+        "quantization_gross_saved_bytes": gross,
+        "quantization_overhead_bytes": overhead,
+        "quantization_capacity_ratio": pool_tokens * ref / (snap.total_bytes + snap.overlay_bytes)
+        if snap.total_bytes
+        else None,
         "preemptions": dict(snap.preemptions),
         "swap_out_bytes": snap.swap_out_bytes,
         "swap_in_bytes": snap.swap_in_bytes,
