@@ -86,6 +86,11 @@ class LLM:
         """The model folder's tokenizer (a transformers tokenizer), as in vLLM."""
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (vLLM's rule:
+        they apply when no sampling_params are passed; generation_config="vllm" drops them)."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block; False (with a warning) while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
@@ -178,7 +183,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """(text, token ids, cache salt) prompts to completion, in order (final outputs only)."""
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -191,7 +196,7 @@ class LLM:
         for (text, toks, _), sp in zip(prompts, sampling_params):
             toks = eng.tokenize(text) if toks is None else list(toks)
             eng.validate_prompt(toks)
-            eng.check_logprobs(sp)
+            eng.check_params(sp)
             ids.append(toks)
         rids = []
         for (text, _, salt), toks, sp in zip(prompts, ids, sampling_params):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from kvledger.errors import InvalidRequestError
@@ -23,6 +24,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once if the token is in the output
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # transformers' / vLLM's, over prompt + output
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the model's context
     min_tokens: int = 0
@@ -32,6 +36,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-k alternatives beside the sampled token; -1: all
     prompt_logprobs: int | None = None  # the engine caps both at max_logprobs (default 20)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (vLLM's rule, over the output)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -43,6 +50,17 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias:
+            try:  # JSON keys arrive as strings
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise InvalidRequestError(
+                    "logit_bias must map token ids (integers) to numbers"
+                ) from None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self._validate()
 
     def _validate(self) -> None:
@@ -71,6 +89,22 @@ class SamplingParams:
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and -2.0 <= v <= 2.0):
+                bad(f"{name} must be in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not (isinstance(rp, int | float) and 0.0 < rp < float("inf")):
+            bad(f"repetition_penalty must be > 0, got {rp!r}")
+        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+            bad("logit_bias values must be finite numbers")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            bad("allowed_token_ids must be a non-empty list of token ids")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words must be a list of non-empty strings")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -143,6 +143,13 @@ class LLMEngine:
             from kvledger.core.calibration import calibrate_cost_model
 
             calibrate_cost_model(self)
+        self.default_sampling_params = _generation_defaults(config.model, config.generation_config)
+        if self.default_sampling_params:
+            logger.info(
+                "sampling defaults from the model's generation_config.json: %s "
+                "(generation_config='vllm' ignores them)",
+                self.default_sampling_params,
+            )
         self.groups: dict[str, _Group] = {}
         self._counter = itertools.count()
         self.swap_stats = {"out_blocks": 0, "in_blocks": 0, "out_s": 0.0, "in_s": 0.0}
@@ -208,6 +215,22 @@ class LLMEngine:
         if why is not None:
             raise InvalidRequestError(why)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against the vocabulary, the
+        logprob cap, and that bad_words have a tokenizer."""
+        self.check_logprobs(params)
+        v = self.vocab_size
+        for name, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in ids if not 0 <= t < v), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{name} has token id {bad}, outside the vocabulary [0, {v})")
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidRequestError("bad_words need a tokenizer, and this model folder has none")
+
     def check_logprobs(self, params: SamplingParams) -> None:
         """Logprob counts within ``max_logprobs`` (-1: no cap); -1 asks for the whole vocabulary."""
         cap = self.config.max_logprobs
@@ -232,7 +255,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> str:
         params = params or SamplingParams()
-        self.check_logprobs(params)
+        self.check_params(params)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenize(prompt)
         else:
@@ -250,8 +273,10 @@ class LLMEngine:
         parent.children = children
         for c in children:
             c.parent_id = rid
+        bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else None
         for seq in (parent, *children):
             seq.cache_salt = cache_salt
+            seq.bad_words_token_ids = bad_words
         self.groups[rid] = _Group(rid, text, [parent, *children])
         self.scheduler.add_request(parent)
         return rid
@@ -273,6 +298,18 @@ class LLMEngine:
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed + 1_000_003 * i)
         return req
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's rule: each word as tokenized at the start of the text and, if that gives
+        another first token of the same length, after a space (mid-text)."""
+        out: list[list[int]] = []
+        for word in words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return [ids for ids in out if ids]
 
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)
@@ -493,6 +530,32 @@ def _maybe_tokenizer(path: str):
     tok = load_tokenizer(path)
     tok.model_max_length = 1 << 60  # the engine checks lengths itself, with a clear error
     return tok
+
+
+_GENERATION_KEYS = {  # generation_config.json key -> SamplingParams field (vLLM's set)
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def _generation_defaults(model: str, mode: str) -> dict:
+    """The sampling defaults a model folder's generation_config.json sets ("auto"), as vLLM
+    reads them; nothing for "vllm" or without the file."""
+    import json
+    from pathlib import Path
+
+    path = Path(model) / "generation_config.json"
+    if mode != "auto" or not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    return {field: cfg[key] for key, field in _GENERATION_KEYS.items() if cfg.get(key) is not None}
 
 
 def _plan_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:

@@ -212,7 +212,7 @@ class ModelRunner:
                 group += req.children
             for r in group:
                 rows.append(i)
-                sreqs.append(SampleRequest(r.sampling_params, r.generator))
+                sreqs.append(SampleRequest(r.sampling_params, r.generator, r))
                 owners.append(r)
         if not rows:
             return

@@ -58,6 +58,8 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     generator: object | None = None  # torch.Generator for seeded sampling (runner-owned)
+    bad_words_token_ids: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
+    sampling_state: object | None = None  # model.logits_processor.SamplingState (sampler-owned)
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

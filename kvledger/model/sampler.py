@@ -1,6 +1,8 @@
 """Logits -> tokens, with the per-request options of SamplingParams.
 
-Greedy rows take the argmax of the raw logits (exactly what HF's greedy search does). Random
+Logits are first changed by ``model.logits_processor.process_logits`` (penalties, biases,
+masks; the one place for that) for the rows that ask for it. Greedy rows take the argmax
+(exactly what HF's greedy search does). Random
 rows are sampled with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which draws
 from p exactly; a seeded request draws E from its own generator, so its tokens do not depend
 on what else is in the batch. Logprobs are those of the raw model distribution (vLLM's
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvledger.logprobs import Logprob
+from kvledger.model.logits_processor import needs_processing, process_logits
 from kvledger.sampling_params import SamplingParams
 
 
@@ -21,6 +24,7 @@ from kvledger.sampling_params import SamplingParams
 class SampleRequest:
     params: SamplingParams
     generator: torch.Generator | None
+    seq: object | None = None  # the Request (token ids, eos ids) for the logits processors
 
 
 def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -53,6 +57,11 @@ def sample(
 ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
     """Sample one token per row of ``logits`` [N, vocab] (float32)."""
     n = logits.shape[0]
+    raw = logits
+    proc_rows = [i for i, r in enumerate(reqs) if r.seq is not None and needs_processing(r.seq)]
+    if proc_rows:  # penalties, biases, masks: on a copy, so that logprobs stay raw
+        logits = logits.clone()
+        process_logits(logits, proc_rows, [reqs[i].seq for i in proc_rows])
     tokens = logits.argmax(dim=-1)
     rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if rand_rows:
@@ -74,7 +83,7 @@ def sample(
         if r.params.logprobs is not None:
             want.setdefault(r.params.logprobs, []).append(i)
     for k, rows in want.items():
-        lp = logits[rows].log_softmax(dim=-1)
+        lp = raw[rows].log_softmax(dim=-1)
         for i, d in zip(rows, make_logprobs(lp, [token_list[i] for i in rows], k)):
             logprobs[i] = d
     return token_list, logprobs
