@@ -35,10 +35,9 @@ _warned: set[str] = set()
 
 def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
     """Split flat keyword options (vLLM style) into the three config dataclasses."""
-    if model is None:
-        from kvledger.model.tiny import default_model_path
+    from kvledger.model.default import resolve_named_model
 
-        model = str(default_model_path())
+    model = resolve_named_model(model)
     tp = kwargs.pop("tensor_parallel_size", 1)
     if tp != 1:
         raise ConfigError(

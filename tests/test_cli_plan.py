@@ -27,6 +27,32 @@ def test_plan_json_seed_70b_on_two_80gib_cards():
     assert [h["num_kv_heads"] for h in f["heads_comparison"]] == [64, 8, 1]
 
 
+def test_plan_tp2_shows_whole_model_and_per_rank_figures():
+    """The seed's figures (320 KB/token for GQA-8; 2,560 / 40 KB for MHA / MQA) are the whole
+    model's; a rank of tp=2 holds half the KV heads, so half the bytes (MQA's one head is
+    replicated, so its rank holds all of it)."""
+    f = json.loads(kvledger("plan", "--model", "seed-70b", "--tp", "2", "--json").stdout)
+    assert f["model_bytes_per_token"] == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert f["bytes_per_token"] == 327_680 // 2
+    rows = {h["scheme"]: h for h in f["heads_comparison"]}
+    assert [rows[s]["model_bytes_per_token"] for s in ("MHA", "GQA", "MQA")] == [
+        2560 * 1024,
+        320 * 1024,
+        40 * 1024,
+    ]
+    assert [rows[s]["bytes_per_token"] for s in ("MHA", "GQA", "MQA")] == [
+        1280 * 1024,
+        160 * 1024,
+        40 * 1024,
+    ]
+    # fewer KV heads, more concurrent requests of the same length
+    assert rows["MHA"]["max_concurrency"] < rows["GQA"]["max_concurrency"] == f["max_concurrency"]
+    assert rows["GQA"]["max_concurrency"] < rows["MQA"]["max_concurrency"]
+    table = kvledger("plan", "--model", "seed-70b", "--tp", "2").stdout
+    for figure in ("327,680 B", "163,840 B", "2,560 KiB", "320 KiB", "40 KiB", "per rank"):
+        assert figure in table, figure
+
+
 def test_plan_defaults_pick_the_smallest_tp_that_fits():
     f = json.loads(kvledger("plan", "--json").stdout)
     assert (f["model"], f["tp"], f["bytes_per_token"]) == ("seed-70b", 2, 163_840)

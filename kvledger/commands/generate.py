@@ -15,9 +15,15 @@ def add_parser(subparsers: Any) -> None:
         "generate",
         help="generate text offline with the paged engine",
         description="Generate from one or more prompts. With no MODEL, uses the embedded "
-        "default kvledger-tiny (fixed-seed RANDOM weights: gibberish text, real code path).",
+        "default stories260k (a real 260K-parameter Llama trained on TinyStories; MIT). "
+        "'kvledger-tiny' names the random-weight test model.",
     )
-    p.add_argument("model", nargs="?", default=None, help="HF model folder (default: kvledger-tiny)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF model folder, hub id, or kvledger-tiny (default: the embedded stories260k)",
+    )
     p.add_argument("--model", dest="model_opt", default=None, help=argparse.SUPPRESS)
     p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         )
         print()
         return 0
-    if model is None:
+    if model == "kvledger-tiny":
         print("# kvledger-tiny: fixed-seed RANDOM weights -- the text is gibberish by design\n")
     for o in outputs:
         for c in o.outputs:

@@ -160,7 +160,10 @@ def _auto_tp(spec: ModelSpec, args: argparse.Namespace, **kw: Any) -> CapacityPl
 def heads_comparison(
     spec: ModelSpec, args: argparse.Namespace, tp: int, **kw: Any
 ) -> list[dict[str, Any]]:
-    """The same model with MHA, GQA and MQA KV heads: the cheapest cut is fewer KV heads."""
+    """The same model with MHA, GQA and MQA KV heads: the cheapest cut is fewer KV heads.
+
+    ``model_bytes_per_token`` is the whole model's figure (the one papers quote: 2,560 / 320 /
+    40 KiB for a 70B in FP16); ``bytes_per_token`` is one rank's under this tp."""
     heads = spec.num_attention_heads
     counts = {heads, spec.num_kv_heads, 1} | ({8} if heads % 8 == 0 and heads > 8 else set())
     rows = []
@@ -175,6 +178,7 @@ def heads_comparison(
                 "scheme": "MHA" if kv == heads else "MQA" if kv == 1 else "GQA",
                 "num_kv_heads": kv,
                 "this_model": kv == spec.num_kv_heads,
+                "model_bytes_per_token": kv_bytes_per_token(variant, args.kv_dtype, 1).total,
                 "bytes_per_token": kv_bytes_per_token(variant, args.kv_dtype, tp).total,
                 "max_concurrency": concurrency,
             }
@@ -219,6 +223,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kib(n: int) -> str:
+    """Bytes per token in KiB, as the field quotes them (320 KB for a 70B GQA-8 in FP16)."""
+    return f"{n / 1024:,.0f} KiB" if n % 1024 == 0 else f"{n / 1024:,.2f} KiB"
+
+
 def _print_table(spec: ModelSpec, plan: CapacityPlan, f: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -241,7 +250,11 @@ def _print_table(spec: ModelSpec, plan: CapacityPlan, f: dict[str, Any]) -> None
             f"{plan.kv_dtype}, tp={plan.tp} ({plan.kv_heads_per_rank} kv heads per rank)",
         ),
         (
-            "KV bytes / token",
+            "KV bytes / token, model",
+            f"{plan.model_bytes_per_token:,} B = {_kib(plan.model_bytes_per_token)}",
+        ),
+        (
+            "KV bytes / token" + (f", per rank (tp={plan.tp})" if plan.tp > 1 else ""),
             f"{plan.bytes_per_token:,} B = data {plan.data_bytes_per_token:,} "
             f"+ scales {plan.scale_bytes_per_token:,}",
         ),
@@ -285,13 +298,18 @@ def _print_table(spec: ModelSpec, plan: CapacityPlan, f: dict[str, Any]) -> None
     for row in rows:
         t.add_row(*row)
     h = Table(title="KV heads: the same model with MHA / GQA / MQA")
-    for col in ("scheme", "kv heads", "KV / token", f"concurrency @ {n:,}"):
+    cols = ["scheme", "kv heads", "KV / token, model"]
+    if plan.tp > 1:
+        cols.append(f"per rank (tp={plan.tp})")
+    for col in [*cols, f"concurrency @ {n:,}"]:
         h.add_column(col, justify="left" if col == "scheme" else "right")
     for r in f["heads_comparison"]:
+        per_rank = [_kib(r["bytes_per_token"])] if plan.tp > 1 else []
         h.add_row(
             r["scheme"] + (" (this model)" if r["this_model"] else ""),
             str(r["num_kv_heads"]),
-            format_bytes(r["bytes_per_token"]),
+            _kib(r["model_bytes_per_token"]),
+            *per_rank,
             f"{r['max_concurrency']:,}",
         )
     console = Console()

@@ -21,11 +21,16 @@ def add_parser(subparsers: Any) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL over HTTP: /v1/completions, /v1/chat/completions (SSE "
         "streaming), /v1/models, /v1/ledger (the live KV ledger), /metrics (Prometheus), "
-        "/health, /dashboard (the ledger drawn live). With no MODEL, serves the embedded default "
-        "kvledger-tiny (fixed-seed RANDOM weights: gibberish text, real code path).",
+        "/health, /dashboard (the ledger drawn live). With no MODEL, serves the embedded "
+        "default stories260k (a real "
+        "260K-parameter Llama trained on TinyStories; MIT); 'kvledger-tiny' names the "
+        "random-weight test model.",
     )
     p.add_argument(
-        "model", nargs="?", default=None, help="HF model folder (default: kvledger-tiny)"
+        "model",
+        nargs="?",
+        default=None,
+        help="HF model folder, hub id, or kvledger-tiny (default: the embedded stories260k)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -39,7 +44,7 @@ def add_parser(subparsers: Any) -> None:
         "--served-model-name",
         nargs="+",
         default=None,
-        help="name(s) clients use in 'model' (default: MODEL as given, or kvledger-tiny)",
+        help="name(s) clients use in 'model' (default: MODEL as given, or stories260k)",
     )
     p.add_argument(
         "--chat-template",
@@ -138,16 +143,17 @@ def run(args: argparse.Namespace) -> int:
 
     from kvledger.core.engine import LLMEngine
     from kvledger.llm import build_engine_config
+    from kvledger.model.default import DEFAULT_MODEL_NAME
     from kvledger.server.app import ServerConfig, build_app
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     prometheus_client.disable_created_metrics()  # no *_created series, as in vLLM
     engine = LLMEngine(build_engine_config(args.model, **engine_kwargs(args)))
-    names = args.served_model_name or [args.model or "kvledger-tiny"]
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     log.info("model %s served as %s", engine.config.model, ", ".join(repr(n) for n in names))
     log.info(capacity_line(engine))
-    if args.model is None:
+    if args.model == "kvledger-tiny":
         log.warning("kvledger-tiny has fixed-seed RANDOM weights: its text is gibberish by design")
     config = ServerConfig(
         served_model_names=names,

@@ -408,7 +408,8 @@ class CapacityPlan:
     kv_heads_per_rank: int
     data_bytes_per_token: int
     scale_bytes_per_token: int
-    bytes_per_token: int
+    bytes_per_token: int  # per rank
+    model_bytes_per_token: int  # the whole model (all KV heads once), what tp=1 would hold
     bytes_per_block: int
     weight_bytes: int  # per rank
     weight_source: str  # "override", "checkpoint" or "num_params"
@@ -499,6 +500,7 @@ def plan_capacity(
         data_bytes_per_token=kv.data_bytes,
         scale_bytes_per_token=kv.scale_bytes,
         bytes_per_token=kv.total,
+        model_bytes_per_token=kv_bytes_per_token(spec, kv_dtype, 1).total,
         bytes_per_block=bytes_per_block,
         weight_bytes=weights,
         weight_source=source,

@@ -1,9 +1,10 @@
-"""The embedded default model: ``kvledger-tiny``, a Llama with FIXED-SEED RANDOM WEIGHTS.
+"""``kvledger-tiny``: a Llama with FIXED-SEED RANDOM WEIGHTS, chosen by its name.
 
-It exists so that `kvledger generate` / `serve` work on a fresh machine with no download.
-Its text is gibberish by construction; it exercises the real code path (HF folder layout,
-safetensors, a real byte-level BPE tokenizer trained on the paragraph below, a chat
-template), nothing more. Use ``--model PATH`` for a real model.
+The embedded default is the real stories260K (kvledger/model/default); this one stays for
+tests and as an explicit choice because its shapes (GQA-2, 4 layers, a 2,048 context) are the
+`kvledger-tiny` preset and it carries a chat template. Its text is gibberish by construction;
+it exercises the real code path (HF folder layout, safetensors, a real byte-level BPE
+tokenizer trained on the paragraph below, a chat template), nothing more.
 """
 
 from __future__ import annotations
