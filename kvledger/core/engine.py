@@ -322,6 +322,7 @@ class LLMEngine:
                     seq.finish_reason = "abort"
                 else:
                     self.scheduler.finish_request(seq, "abort")
+        self.runner.release_finished()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -357,6 +358,7 @@ class LLMEngine:
             touched.add(req.parent_id or req.request_id)
         for req in so.finished:
             touched.add(req.parent_id or req.request_id)
+        self.runner.release_finished()
         return self._collect_outputs(touched)
 
     def _fork_children(self, req: Request) -> list[Request]:

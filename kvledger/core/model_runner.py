@@ -86,6 +86,12 @@ class ModelRunner:
         if self.overlay is not None:
             self.overlay.fork(parent, child)
 
+    def release_finished(self) -> None:
+        """Drop the runner's per-request state (overlay slots) of requests that have finished,
+        now rather than at the next step: an idle server keeps nothing of a finished request."""
+        if self.overlay is not None:
+            self.overlay.sweep()
+
     # -- the step ---------------------------------------------------------------------------
     def prepare(self, so: SchedulerOutput) -> StepInputs:
         """Flatten the step into the model's inputs (no model call: benchmarked on its own).
