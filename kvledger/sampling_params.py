@@ -7,6 +7,9 @@ import math
 from dataclasses import dataclass, field
 
 from kvledger.errors import InvalidRequestError
+from kvledger.structured.params import StructuredOutputsParams
+
+__all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
 
 class RequestOutputKind(enum.Enum):
@@ -42,8 +45,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # kvledger.structured
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -105,6 +111,9 @@ class SamplingParams:
             bad("allowed_token_ids must be a non-empty list of token ids")
         if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             bad("bad_words must be a list of non-empty strings")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            bad(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.seed is not None and not isinstance(self.seed, int):

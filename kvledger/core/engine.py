@@ -31,6 +31,7 @@ from kvledger.model.kv_cache import HostKVPool, KVCachePool
 from kvledger.model.loader import load_model, load_tokenizer
 from kvledger.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
+from kvledger.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("kvledger")
 
@@ -156,6 +157,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.stream_outputs = False  # True: step() reports every updated request (servers)
         self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     # -- sizing -------------------------------------------------------------------------------
     def _plan_overlay(self, kv_dtype: str) -> tuple[int, int]:
@@ -278,6 +280,8 @@ class LLMEngine:
             seq.cache_salt = cache_salt
             seq.bad_words_token_ids = bad_words
         self.groups[rid] = _Group(rid, text, [parent, *children])
+        if params.structured_outputs is not None and not self.structured.submit(parent):
+            return rid  # it joins the scheduler when its grammar is compiled
         self.scheduler.add_request(parent)
         return rid
 
@@ -317,8 +321,9 @@ class LLMEngine:
             return
         for seq in group.seqs:
             if not seq.is_finished:
-                if seq.status is RequestStatus.WAITING and seq.parent_id and seq.request_id not in self.scheduler.requests:
-                    seq.status = RequestStatus.FINISHED  # an unforked child
+                if seq.status is RequestStatus.WAITING and seq.request_id not in self.scheduler.requests:
+                    self.structured.discard(seq)
+                    seq.status = RequestStatus.FINISHED  # an unforked child, or compiling
                     seq.finish_reason = "abort"
                 else:
                     self.scheduler.finish_request(seq, "abort")
@@ -344,11 +349,13 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        touched: set[str] = set()
+        if self.structured.compiling:
+            self._admit_compiled(touched)
         so = self.scheduler.schedule()
         ro = self.runner.execute(so)
         self._account_swaps(so, ro)
         now = time.monotonic()
-        touched: set[str] = set()
         for rid, lps in ro.prompt_logprobs.items():
             for d in lps:
                 self._decode_logprobs(d)
@@ -397,6 +404,20 @@ class LLMEngine:
             else:
                 self.scheduler.finish_request(req, "stop")
                 req.finished_time = now
+
+    def _admit_compiled(self, touched: set[str]) -> None:
+        """Requests whose grammar finished compiling join the scheduler's waiting queue."""
+        if not self.scheduler.has_unfinished():
+            self.structured.wait(0.005)  # nothing else to run: do not spin
+        ready, failed = self.structured.take_ready()
+        for req in ready:
+            self.scheduler.add_request(req)
+        for req, err in failed:
+            logger.error("request %s: grammar compilation failed: %s", req.request_id, err)
+            for seq in [req, *req.children]:
+                seq.status = RequestStatus.FINISHED
+                seq.finish_reason = "abort"
+            touched.add(req.request_id)
 
     def _decode_logprobs(self, d: dict[int, Logprob]) -> None:
         """Fill each Logprob's ``decoded_token`` (the token's text alone, cached by id)."""

@@ -22,6 +22,7 @@ from kvledger.logprobs import Logprob
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
 from kvledger.model.sampler import SampleRequest, make_logprobs, sample
+from kvledger.structured.state import fill_bitmask
 
 
 @dataclass
@@ -223,9 +224,11 @@ class ModelRunner:
         if not rows:
             return
         # Without n > 1 children every row is sampled once, in order: no copy of the logits.
-        tokens, logprobs = sample(
-            logits if len(rows) == logits.shape[0] else logits[rows], sreqs, self.generator
-        )
+        logits = logits if len(rows) == logits.shape[0] else logits[rows]
+        bitmask = None
+        if any(r.grammar is not None for r in owners):  # structured outputs: one mask per step
+            bitmask = fill_bitmask([r.grammar for r in owners], logits.shape[1])
+        tokens, logprobs = sample(logits, sreqs, self.generator, bitmask)
         for r, t, lp in zip(owners, tokens, logprobs):
             out.sampled[r.request_id] = t
             out.logprobs[r.request_id] = lp

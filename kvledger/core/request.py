@@ -60,6 +60,7 @@ class Request:
     generator: object | None = None  # torch.Generator for seeded sampling (runner-owned)
     bad_words_token_ids: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
     sampling_state: object | None = None  # model.logits_processor.SamplingState (sampler-owned)
+    grammar: object | None = None  # kvledger.structured.state.GrammarState when constrained
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

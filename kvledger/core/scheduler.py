@@ -313,6 +313,9 @@ class Scheduler:
             req.first_token_time = now
         req.last_token_time = now
         reason = check_stop(req, token)
+        # Structured outputs: the matcher sees exactly the accepted tokens (kvledger.structured).
+        if req.grammar is not None and req.grammar.accept(token) and reason is None:
+            reason = "stop"  # the grammar reached its end
         if reason is not None:
             self.finish_request(req, reason)
             req.finished_time = now

@@ -18,6 +18,7 @@ import torch
 from kvledger.logprobs import Logprob
 from kvledger.model.logits_processor import needs_processing, process_logits
 from kvledger.sampling_params import SamplingParams
+from kvledger.structured.state import apply_bitmask
 
 
 @dataclass
@@ -53,10 +54,21 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def sample(
-    logits: torch.Tensor, reqs: list[SampleRequest], default_generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    reqs: list[SampleRequest],
+    default_generator: torch.Generator | None = None,
+    bitmask: tuple[torch.Tensor, list[int]] | None = None,
 ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-    """Sample one token per row of ``logits`` [N, vocab] (float32)."""
+    """Sample one token per row of ``logits`` [N, vocab] (float32).
+
+    ``bitmask``: the step's packed grammar mask and its constrained rows
+    (kvledger.structured.state.fill_bitmask); their disallowed tokens get -inf in place
+    before greedy and random sampling alike (and the logprobs are of the masked logits, as
+    in vLLM).
+    """
     n = logits.shape[0]
+    if bitmask is not None:
+        apply_bitmask(logits, bitmask)
     raw = logits
     proc_rows = [i for i, r in enumerate(reqs) if r.seq is not None and needs_processing(r.seq)]
     if proc_rows:  # penalties, biases, masks: on a copy, so that logprobs stay raw

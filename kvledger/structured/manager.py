@@ -1,0 +1,78 @@
+"""The engine's side of structured outputs: requests wait here while their grammar compiles.
+
+A constrained request is held back from the scheduler until its grammar is compiled (the
+compile runs in a background thread), then its matcher is made and it enters the scheduler's
+waiting queue like any other request; its n > 1 children fork the parent's fresh matcher.
+The scheduler, the block manager and the simulator never see a grammar.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import Any
+
+from kvledger.core.request import Request
+from kvledger.errors import InvalidRequestError
+from kvledger.structured.compiler import GrammarCompiler
+from kvledger.structured.state import GrammarState
+
+logger = logging.getLogger("kvledger")
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._compiler: GrammarCompiler | None = None
+        self.compiling: list[Request] = []  # parents waiting for their grammar, oldest first
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer")
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        return self._compiler
+
+    def submit(self, parent: Request) -> bool:
+        """Start compiling ``parent``'s grammar; True when it is ready now (a cache hit)."""
+        fut = self.compiler.submit(parent.sampling_params.structured_outputs)
+        parent.grammar = GrammarState(fut)
+        if fut.done() and fut.exception() is None:
+            self._start(parent)
+            return True
+        self.compiling.append(parent)
+        return False
+
+    def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Parents whose grammar is compiled (matchers made), and those whose compile failed."""
+        if not self.compiling:
+            return [], []
+        ready, failed, still = [], [], []
+        for req in self.compiling:
+            if not req.grammar.ready:
+                still.append(req)
+            elif req.grammar.future.exception() is not None:
+                failed.append((req, str(req.grammar.future.exception())))
+            else:
+                self._start(req)
+                ready.append(req)
+        self.compiling = still
+        return ready, failed
+
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` s for a compile to finish (only when nothing else can run)."""
+        if self.compiling:
+            wait([r.grammar.future for r in self.compiling], timeout, FIRST_COMPLETED)
+
+    def discard(self, req: Request) -> None:
+        if req in self.compiling:
+            self.compiling.remove(req)
+
+    @staticmethod
+    def _start(parent: Request) -> None:
+        parent.grammar.start()
+        for child in parent.children:
+            child.grammar = parent.grammar.fork()

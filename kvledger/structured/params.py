@@ -1,0 +1,154 @@
+"""StructuredOutputsParams: what a request's output must match (vLLM's names and rules).
+
+Exactly one constraint: ``json`` (a JSON schema: dict, JSON text or a pydantic model class),
+``regex``, ``choice`` (one of these strings), ``grammar`` (EBNF / GBNF), ``json_object`` (any
+JSON object) or ``structural_tag``. The constraint is parsed into an xgrammar ``Grammar`` when
+the request is made, so a bad schema, regex or grammar is refused at the edge with xgrammar's
+own message; the expensive part (the token-mask cache over the vocabulary) is compiled later,
+off the step loop (kvledger.structured.compiler).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvledger.errors import InvalidRequestError
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "; users need the rest.
+_XGR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
+_CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:\s*")
+
+
+def xgrammar_message(exc: BaseException) -> str:
+    """xgrammar's error text without its source-location prefix."""
+    msg = str(exc).strip()
+    msg = _XGR_PREFIX.sub("", msg)
+    return _CHECK_FAILED.sub("", msg).strip()
+
+
+@dataclass
+class StructuredOutputsParams:
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False  # accepted for vLLM compatibility: xgrammar is the only backend
+    whitespace_pattern: str | None = None
+    _grammar: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.json is not None and hasattr(self.json, "model_json_schema"):
+            self.json = self.json.model_json_schema()  # a pydantic model class
+        set_kinds = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise InvalidRequestError(
+                "structured outputs need exactly one of json, regex, choice, grammar, "
+                f"json_object or structural_tag; got {set_kinds or 'none'}"
+            )
+        if self.whitespace_pattern is not None:
+            raise InvalidRequestError("whitespace_pattern is not supported by the xgrammar backend")
+        self._grammar = self._parse()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        """A hashable identity of the constraint: the compiled-grammar cache's key."""
+        kind = self.kind
+        spec = getattr(self, kind)
+        if kind == "json":
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        elif kind == "choice":
+            spec = tuple(self.choice)
+        return (kind, spec, self.disable_any_whitespace, self.disable_additional_properties)
+
+    @property
+    def parsed_grammar(self):
+        """The xgrammar Grammar, parsed and checked when the params were made."""
+        return self._grammar
+
+    def _parse(self):
+        import xgrammar as xgr
+
+        kind = self.kind
+        try:
+            if kind == "json":
+                schema = self._schema()
+                return xgr.Grammar.from_json_schema(
+                    json.dumps(schema), any_whitespace=not self.disable_any_whitespace
+                )
+            if kind == "regex":
+                if not isinstance(self.regex, str) or not self.regex:
+                    raise InvalidRequestError("regex must be a non-empty string")
+                return xgr.Grammar.from_regex(self.regex)
+            if kind == "choice":
+                choices = self.choice
+                if (
+                    not isinstance(choices, list | tuple)
+                    or not choices
+                    or not all(isinstance(c, str) and c for c in choices)
+                ):
+                    raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
+                self.choice = list(choices)
+                # A JSON string literal is also a valid EBNF literal (same escapes).
+                return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in choices))
+            if kind == "grammar":
+                if not isinstance(self.grammar, str) or not self.grammar.strip():
+                    raise InvalidRequestError("grammar must be a non-empty EBNF (GBNF) string")
+                return xgr.Grammar.from_ebnf(self.grammar)
+            if kind == "json_object":
+                if self.disable_any_whitespace:  # any object, compact
+                    return xgr.Grammar.from_json_schema(
+                        '{"type": "object"}', any_whitespace=False, strict_mode=False
+                    )
+                return xgr.Grammar.builtin_json_grammar()
+            tag = self.structural_tag
+            return xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # xgrammar reports bad input as RuntimeError / ValueError
+            raise InvalidRequestError(f"invalid {_NAMES[kind]}: {xgrammar_message(e)}") from None
+
+    def _schema(self) -> dict | bool:
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"invalid JSON schema: not JSON ({e})") from None
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequestError("invalid JSON schema: a schema is a JSON object")
+        if self.disable_additional_properties and isinstance(schema, dict):
+            schema = _no_additional_properties(schema)
+        return schema
+
+
+_NAMES = {
+    "json": "JSON schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+    "structural_tag": "structural tag",
+}
+
+
+def _no_additional_properties(schema: Any) -> Any:
+    """Every object in the schema that does not say otherwise gets additionalProperties: false."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
