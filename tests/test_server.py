@@ -367,7 +367,8 @@ def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
         ({"prompt": "hi", "max_tokens": 0}, ["max_tokens"]),
         ({"prompt": "hi", "max_tokens": "many"}, ["max_tokens"]),
         ({"prompt": "hi", "logprobs": 99}, ["logprobs"]),
-        ({"prompt": "hi", "presence_penalty": 0.5}, ["presence_penalty"]),
+        ({"prompt": "hi", "presence_penalty": 2.5}, ["presence_penalty must be in [-2, 2]"]),
+        ({"prompt": "hi", "logit_bias": {"999": 5}}, ["logit_bias has token id 999"]),
         ({"prompt": [99999]}, ["vocabulary"]),
         ({"prompt": "hi", "max_tokens": 10_000}, ["context length"]),
         ({"prompt": "word " * 600}, ["context"]),
@@ -620,3 +621,16 @@ def test_sigterm_mid_stream_shuts_down_cleanly(plain):
     assert plain.proc.returncode in (0, -signal.SIGTERM), plain.log()
     log = plain.log()
     assert "engine stopped" in log and "Traceback" not in log, log
+
+
+def test_penalties_and_logit_bias_reach_the_engine(client, small_llm):
+    from kvledger import SamplingParams
+
+    prompt = "Once upon a time"
+    r = greedy(client, prompt, max_tokens=40, frequency_penalty=1.5, presence_penalty=0.5,
+               logit_bias={"13": -100}, extra_body={"repetition_penalty": 1.2})  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=40, frequency_penalty=1.5, presence_penalty=0.5,
+                        logit_bias={13: -100.0}, repetition_penalty=1.2)  # fmt: skip
+    offline = small_llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].text
+    plain = greedy(client, prompt, max_tokens=40).choices[0].text
+    assert r.choices[0].text == offline != plain

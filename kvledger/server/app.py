@@ -469,7 +469,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(engine.default_sampling_params)
         params.output_kind = RequestOutputKind.DELTA  # the engine sends only what is new
         check_params(params)
         prompts = body.prompts()
@@ -574,7 +574,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(engine.default_sampling_params)
         params.output_kind = RequestOutputKind.DELTA  # the engine sends only what is new
         check_params(params)
         if tokenizer is None:

@@ -47,22 +47,42 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     priority: int = 0  # lower runs first under --victim-policy priority
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequestError(f"{name} is not supported (only 0)")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported")
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None
+    ) -> SamplingParams:
+        """Unset options take the model's generation_config.json defaults (``defaults``, as
+        vLLM's server does), then OpenAI's."""
+        d = defaults or {}
+
+        def pick(value: Any, name: str, fallback: Any) -> Any:
+            return value if value is not None else d.get(name, fallback)
+
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true")
+        bias = None
+        if self.logit_bias:
+            try:  # OpenAI clamps biases to [-100, 100]
+                bias = {int(k): min(100.0, max(-100.0, float(v))) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise InvalidRequestError("logit_bias keys must be token ids") from None
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0),
+            top_k=pick(self.top_k, "top_k", 0),
+            min_p=pick(self.min_p, "min_p", 0.0),
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -72,6 +92,7 @@ class _SamplingFields(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
 
     @property
@@ -95,7 +116,7 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("prompt is empty")
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (only best_of == n)")
         if self.suffix:
@@ -104,7 +125,7 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("echo with logprobs is not supported")
         if self.echo and not all(isinstance(p, str) for p in self.prompts()):
             raise InvalidRequestError("echo needs text prompts, not token ids")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
 class TextContentPart(_Request):
@@ -144,7 +165,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true")
         if self.tools:
@@ -155,7 +176,7 @@ class ChatCompletionRequest(_SamplingFields):
         if max_tokens is None:
             max_tokens = self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
     def conversation(self) -> list[dict[str, str]]:
         out = []
