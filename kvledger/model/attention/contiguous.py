@@ -91,9 +91,14 @@ def contig_decode(
     real = native.library
     native.library = lambda: lib
     try:
-        native.paged_decode(q, k_cache, v_cache, first_blocks, seq_lens, rows, out, scale)
+        _PAGED_DECODE(q, k_cache, v_cache, first_blocks, seq_lens, rows, out, scale)
     finally:
         native.library = real
+
+
+# Bound at import: callers may stand contig_decode in for native.paged_decode (seed_paging's
+# end-to-end variant does), which must not make it call itself.
+_PAGED_DECODE = native.paged_decode
 
 
 def _sdpa_decode(
