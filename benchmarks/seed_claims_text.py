@@ -9,6 +9,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from benchmarks.seed_int8_quality import verdicts
+from benchmarks.seed_paging import STAT_OLD
+
 
 def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
@@ -106,8 +109,9 @@ def _paging(p: dict[str, Any]) -> list[str]:
     if e2e:
         out += [
             "**Single request, end to end** (the real engine on a random-weight Llama, 4 layers, "
-            "hidden 256, 2 KV heads of 64, block size 16, greedy; ms per decode step, 10th "
-            "percentile over interleaved rounds, since other jobs' bursts only add time): "
+            "hidden 256, 2 KV heads of 64, block size 16, greedy; "
+            + e2e[0].get("statistic", STAT_OLD)
+            + "): "
             + "; ".join(
                 f"{r['path']} path, prompt {r['prompt_len']}: engine {r['ms_per_token']['engine']:.2f}, "
                 f"scattered {r['ms_per_token']['scattered']:.2f}, contiguous "
@@ -260,10 +264,22 @@ def _drift(d: dict[str, Any]) -> list[str]:
     return out
 
 
+def _mid_late(c: dict) -> float:
+    """KL over the last span generated positions / KL over the span around the middle of the
+    generated part: growth after the first few hundred tokens, where the context has filled."""
+    s = c["summary"]
+    gen = c["kl"][s["first_row"] :]
+    span = s["span"]
+    mid = len(gen) // 2 - span // 2
+    mid_kl = statistics.fmean(gen[mid : mid + span])
+    return statistics.fmean(gen[-span:]) / mid_kl if mid_kl > 1e-9 else float("nan")
+
+
 def _growth(m: dict) -> tuple[str, list[str]]:
-    """One sentence: each format's late/early KL ratio beside the control's."""
+    """One sentence: each format's late/early and late/middle KL ratios beside the control's."""
     curves = [c for c in m["curves"] if c["recent"] == 0]
-    ctrl = next(c for c in curves if c["fmt"].startswith("auto"))["summary"]
+    ctrl_c = next(c for c in curves if c["fmt"].startswith("auto"))
+    ctrl = ctrl_c["summary"]
     cr = ctrl["kl_late"] / ctrl["kl_early"]
     parts, faster = [], []
     for c in curves:
@@ -271,7 +287,7 @@ def _growth(m: dict) -> tuple[str, list[str]]:
             continue
         r = c["summary"]["kl_late"] / c["summary"]["kl_early"]
         verb = "falls" if r < 0.9 else ("is flat" if r <= 1.1 else "grows")
-        parts.append(f"{c['fmt']} {verb} (x{r:.2f})")
+        parts.append(f"{c['fmt']} {verb} (x{r:.2f}; x{_mid_late(c):.2f} from the middle)")
         if r > 1.25 * cr:
             faster.append(c["fmt"])
     tail = (
@@ -280,9 +296,10 @@ def _growth(m: dict) -> tuple[str, list[str]]:
         else "faster than the control: " + ", ".join(faster)
     )
     return (
-        f"On {m['model']}, from the first to the last {ctrl['span']} generated positions, KL "
+        f"On {m['model']}, from the first to the last {ctrl['span']} generated positions (and "
+        f"from the middle {ctrl['span']} to the last), KL "
         + ", ".join(parts)
-        + f", against x{cr:.2f} for the control; {tail}.",
+        + f", against x{cr:.2f} (x{_mid_late(ctrl_c):.2f}) for the control; {tail}.",
         faster,
     )
 
@@ -301,7 +318,9 @@ def _int8(d: dict[str, Any]) -> list[str]:
     ]
     for domain, v in d.items():
         ref = v["reference"]
-        rows = {(r["kv_cache_dtype"], r["kv_recent_tokens"]): r for r in v["rows"]}
+        rows = {
+            (r["kv_cache_dtype"], r["kv_recent_tokens"]): {**r, **verdicts(r)} for r in v["rows"]
+        }
         i8 = rows[("int8", 0)]
         out.append(
             f"- **{domain}** ({ref['tokens']} tokens, perplexity {ref['perplexity']:.3f}, top-1 "
@@ -340,9 +359,12 @@ def _int8_verdict(d: dict[str, Any]) -> str:
             if x["kv_cache_dtype"] == fmt and x["kv_recent_tokens"] == r
         ]
 
+    def rows_v(fmt, r):
+        return [(dom, {**x, **verdicts(x)}) for dom, x in rows(fmt, r)]
+
     def says(fmt, r, key):
-        ok = [dom for dom, x in rows(fmt, r) if x[key]]
-        bad = [dom for dom, x in rows(fmt, r) if not x[key]]
+        ok = [dom for dom, x in rows_v(fmt, r) if x[key]]
+        bad = [dom for dom, x in rows_v(fmt, r) if not x[key]]
         if not bad:
             return "holds on both texts"
         if not ok:
