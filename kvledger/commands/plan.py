@@ -228,6 +228,36 @@ def _kib(n: int) -> str:
     return f"{n / 1024:,.0f} KiB" if n % 1024 == 0 else f"{n / 1024:,.2f} KiB"
 
 
+def _window_rows(plan: CapacityPlan) -> list[tuple[str, str]]:
+    """Sliding-window models: full layers charge every token, sliding ones their window."""
+    if not plan.num_sliding_layers:
+        return []
+    n = plan.context_len
+    freeing = "freed" if plan.window_freeing else "kept, a pool block holds all layers"
+    return [
+        (
+            "layer types",
+            f"{plan.num_full_layers} full + {plan.num_sliding_layers} sliding "
+            f"(window {plan.sliding_window:,}; blocks outside it {freeing})",
+        ),
+        (
+            "KV bytes / token, per type",
+            f"{plan.asymptotic_bytes_per_token:,} B asymptotic (full layers), "
+            f"{plan.bytes_per_token_at_context:,.0f} B at {n:,} tokens",
+        ),
+        (
+            f"one {n:,}-token request, window freed / not",
+            f"{format_bytes(plan.request_bytes_with_window_freeing)} / "
+            f"{format_bytes(plan.request_bytes_without_window_freeing)}",
+        ),
+        (
+            f"concurrency @ {n:,}, window freed / not",
+            f"{plan.max_concurrency_with_window_freeing:,} / "
+            f"{plan.max_concurrency_without_window_freeing:,} requests",
+        ),
+    ]
+
+
 def _print_table(spec: ModelSpec, plan: CapacityPlan, f: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -284,6 +314,7 @@ def _print_table(spec: ModelSpec, plan: CapacityPlan, f: dict[str, Any]) -> None
             f"max concurrency @ {n:,}",
             f"{plan.max_concurrency:,} request" + "s" * (plan.max_concurrency != 1),
         ),
+        *_window_rows(plan),
         (
             "utilisation, naive / paged",
             f"{f['naive_utilization']:.1%} / "

@@ -254,6 +254,20 @@ def _preset(
     return spec if params is not None else replace(spec, num_params=estimate_num_params(spec))
 
 
+def _with_windows(spec: ModelSpec, window: int, pattern: int, **kw: Any) -> ModelSpec:
+    types = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(spec.num_layers))
+    spec = replace(spec, layer_types=types, sliding_window=window, **kw)
+    return replace(spec, num_params=estimate_num_params(spec))
+
+
+_GEMMA3_27B = _with_windows(
+    _preset("gemma-3-27b", 62, 32, 16, 128, 5376, 262208, 21504, None, "bfloat16", 131072),
+    1024,
+    6,
+    architecture="Gemma3ForCausalLM",
+    tie_word_embeddings=True,
+)
+
 _SEED_70B = _preset("seed-70b", 80, 64, 8, 128, 8192, 32000, 28672, 70_000_000_000, "float16", 4096)
 
 PRESETS: dict[str, ModelSpec] = {
@@ -278,6 +292,9 @@ PRESETS: dict[str, ModelSpec] = {
         _preset("mistral-7b", 32, 32, 8, 128, 4096, 32000, 14336, 7_241_732_096, "bfloat16", 32768),
         architecture="MistralForCausalLM",
     ),
+    # Gemma 3 27B's language model: 62 layers, five 1024-token sliding-window layers per global
+    # one (layer_types as transformers derives them from sliding_window_pattern 6).
+    "gemma-3-27b": _GEMMA3_27B,
     # The engine's embedded default model (random weights); the engine builds exactly this.
     "kvledger-tiny": _preset("kvledger-tiny", 4, 8, 2, 32, 256, 512, 688, None, "float32", 2048),
 }
@@ -378,6 +395,83 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str = "auto", tp: int = 1) -> 
     return KVBytes(name, data, scales)
 
 
+def window_blocks(context_len: int, window: int, block_size: int) -> int:
+    """Blocks a sliding-window layer holds for a context_len-token request when blocks wholly
+    outside the window are released (the rule of KVCacheManager): at the step that computes
+    the last token, from the first block its query sees to the block being written."""
+    total = math.ceil(context_len / block_size)
+    first = max(0, context_len - 1 - window + 1) // block_size
+    return total - first
+
+
+@dataclass(frozen=True)
+class RequestKV:
+    """KV bytes one request of ``context_len`` tokens holds, per layer type, in whole blocks.
+
+    Full-attention layers grow with the context; sliding-window layers stop at their window
+    when blocks outside it are freed (``with_window_freeing``), else grow like full ones.
+    """
+
+    context_len: int
+    block_size: int
+    full_layers: int
+    sliding_layers: int
+    window: int | None
+    layer_bytes_per_token: int  # one layer's K + V (+ scales) per token
+    window_freeing: bool  # whether kvledger's own block manager frees them for this model
+
+    @property
+    def full_blocks(self) -> int:
+        return math.ceil(self.context_len / self.block_size)
+
+    @property
+    def sliding_blocks(self) -> int:
+        if self.window is None:
+            return self.full_blocks
+        return window_blocks(self.context_len, self.window, self.block_size)
+
+    @property
+    def bytes_without_window_freeing(self) -> int:
+        layers = self.full_layers + self.sliding_layers
+        return self.full_blocks * self.block_size * layers * self.layer_bytes_per_token
+
+    @property
+    def bytes_with_window_freeing(self) -> int:
+        per_block = self.block_size * self.layer_bytes_per_token
+        return (self.full_blocks * self.full_layers + self.sliding_blocks * self.sliding_layers) * per_block
+
+    @property
+    def bytes(self) -> int:
+        """What kvledger's pool holds for this request."""
+        return self.bytes_with_window_freeing if self.window_freeing else self.bytes_without_window_freeing
+
+    @property
+    def asymptotic_bytes_per_token(self) -> int:
+        """Per-token cost of a very long request: full layers only, windows are a constant."""
+        return self.full_layers * self.layer_bytes_per_token
+
+    @property
+    def bytes_per_token_at_context(self) -> float:
+        """bytes_with_window_freeing / context_len: a function of the context length."""
+        return self.bytes_with_window_freeing / self.context_len
+
+
+def request_kv(
+    spec: ModelSpec, context_len: int, block_size: int = 16, kv_dtype: str = "auto", tp: int = 1
+) -> RequestKV:
+    """The per-layer-type KV of one context_len request (see RequestKV)."""
+    per_layer = kv_bytes_per_token(spec, kv_dtype, tp).total // spec.num_layers
+    return RequestKV(
+        context_len=context_len,
+        block_size=block_size,
+        full_layers=spec.num_full_layers,
+        sliding_layers=spec.num_sliding_layers,
+        window=spec.sliding_window if spec.num_sliding_layers else None,
+        layer_bytes_per_token=per_layer,
+        window_freeing=spec.uniform_window is not None,
+    )
+
+
 def per_request_overhead_bytes(
     spec: ModelSpec, kv_dtype: str, kv_sink_tokens: int, kv_recent_tokens: int, tp: int = 1
 ) -> int:
@@ -419,10 +513,24 @@ class CapacityPlan:
     max_tokens: int
     blocks_per_request: int  # for one context_len request
     per_request_overhead_bytes: int  # sink/recent copies for quantised KV, from the same budget
-    max_concurrency: int  # context_len requests that fit at once
+    max_concurrency: int  # context_len requests that fit at once (in kvledger's pool)
+    # Per layer type (issue 20): full layers charge every token, sliding layers their window.
+    num_full_layers: int = 0
+    num_sliding_layers: int = 0
+    sliding_window: int | None = None
+    window_freeing: bool = False  # kvledger's block manager frees blocks outside the window
+    asymptotic_bytes_per_token: int = 0  # per token of a very long request (full layers only)
+    bytes_per_token_at_context: float = 0.0  # KV of one context_len request / context_len
+    request_bytes_with_window_freeing: int = 0
+    request_bytes_without_window_freeing: int = 0
+    max_concurrency_with_window_freeing: int = 0
+    max_concurrency_without_window_freeing: int = 0
 
     def request_cost_bytes(self, num_tokens: int) -> int:
-        """Paged cost of a num_tokens request: whole blocks, the last one possibly partial."""
+        """Paged cost of a num_tokens request: whole blocks, the last one possibly partial;
+        when every layer is windowed, only the blocks the window still covers."""
+        if self.window_freeing and self.sliding_window:
+            return window_blocks(num_tokens, self.sliding_window, self.block_size) * self.bytes_per_block
         return math.ceil(num_tokens / self.block_size) * self.bytes_per_block
 
     def to_dict(self) -> dict[str, Any]:
@@ -478,6 +586,9 @@ def plan_capacity(
     bytes_per_block = kv.total * block_size
     overhead = per_request_overhead_bytes(spec, kv_dtype, kv_sink_tokens, kv_recent_tokens, tp)
     blocks_per_request = math.ceil(context_len / block_size)
+    req_kv = request_kv(spec, context_len, block_size, kv_dtype, tp)
+    if req_kv.window_freeing:  # every layer windowed: the pool itself releases blocks
+        blocks_per_request = req_kv.sliding_blocks
     request_bytes = blocks_per_request * bytes_per_block + overhead
     budget = int(device_memory_bytes * memory_fraction) - weights - activation_reserve_bytes
     if budget < request_bytes:
@@ -511,6 +622,16 @@ def plan_capacity(
         blocks_per_request=blocks_per_request,
         per_request_overhead_bytes=overhead,
         max_concurrency=budget // request_bytes,
+        num_full_layers=req_kv.full_layers,
+        num_sliding_layers=req_kv.sliding_layers,
+        sliding_window=req_kv.window,
+        window_freeing=req_kv.window_freeing,
+        asymptotic_bytes_per_token=req_kv.asymptotic_bytes_per_token,
+        bytes_per_token_at_context=req_kv.bytes_per_token_at_context,
+        request_bytes_with_window_freeing=req_kv.bytes_with_window_freeing,
+        request_bytes_without_window_freeing=req_kv.bytes_without_window_freeing,
+        max_concurrency_with_window_freeing=budget // (req_kv.bytes_with_window_freeing + overhead),
+        max_concurrency_without_window_freeing=budget // (req_kv.bytes_without_window_freeing + overhead),
     )
 
 

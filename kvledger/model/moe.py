@@ -70,19 +70,25 @@ class SparseMoE(nn.Module):
         compact[hit] = torch.arange(hit.numel(), device=x.device)
         group = compact.index_select(0, sorted_experts)
         tokens = order // self.top_k
-        xin = x.new_zeros(hit.numel(), width, hidden)
-        xin[group, slot] = x.index_select(0, tokens)
 
         inter = self.intermediate_size
         w_gate_up = self.w_gate_up.view(self.num_experts, 2 * inter, hidden)
         w_down = self.w_down.view(self.num_experts, hidden, inter)
-        if hit.numel() < self.num_experts:
+        if 2 * hit.numel() <= self.num_experts:
+            # Few experts hit (a small decode batch): gather their weights. Otherwise run every
+            # expert (idle ones on zero rows): reading all weights once costs less than copying most.
             w_gate_up = w_gate_up.index_select(0, hit)
             w_down = w_down.index_select(0, hit)
-        gate_up = torch.bmm(xin, w_gate_up.transpose(1, 2))  # [E_hit, width, 2I]
+            xin = x.new_zeros(hit.numel(), width, hidden)
+        else:
+            group = sorted_experts
+            xin = x.new_zeros(self.num_experts, width, hidden)
+        xin[group, slot] = x.index_select(0, tokens)
+        gate_up = torch.bmm(xin, w_gate_up.transpose(1, 2))  # [experts, width, 2I]
         h = self.act(gate_up[..., :inter]) * gate_up[..., inter:]
-        y = torch.bmm(h, w_down.transpose(1, 2))  # [E_hit, width, H]
-        pair_out = y[group, slot] * weights.reshape(-1).index_select(0, order)[:, None]
-        out = torch.zeros_like(x)
-        out.index_add_(0, tokens, pair_out)
-        return out
+        y = torch.bmm(h, w_down.transpose(1, 2))  # [experts, width, H]
+        # Back to (token, k) order, weighted, and summed over each token's k experts.
+        pair_out = y.new_empty(flat.numel(), hidden)
+        pair_out[order] = y[group, slot]
+        pair_out = pair_out.view(num_tokens, self.top_k, hidden) * weights[..., None]
+        return pair_out.sum(dim=1)
