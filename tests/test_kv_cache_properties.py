@@ -90,6 +90,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         return f"r{self.next_id}"
 
+    def _publish(self, rid: str) -> None:
+        """After a step: the request's full computed blocks join the prefix cache."""
+        self.kv.cache_blocks(rid, self.tokens[rid], len(self.tokens[rid]))
+
+    def _visible(self, rid: str, pos: int) -> bool:
+        """Whether a position must still resolve to its value (see the windowed machine)."""
+        return True
+
     def _resident(self) -> list[str]:
         return sorted(r for r in self.tokens if r not in self.swapped)
 
@@ -113,7 +121,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.tokens[rid], self.salts[rid] = list(prompt), salt
         self._run_step()
         self._write(rid, num_cached, len(prompt))
-        self.kv.cache_blocks(rid, prompt, len(prompt))
+        self._publish(rid)
 
     @precondition(lambda self: any(r not in self.swapped for r in self.tokens))
     @rule(data=st.data(), new=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=6))
@@ -133,7 +141,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.tokens[rid].extend(new)
         self._run_step()
         self._write(rid, start, len(self.tokens[rid]))
-        self.kv.cache_blocks(rid, self.tokens[rid], len(self.tokens[rid]))
+        self._publish(rid)
 
     @precondition(
         lambda self: (
@@ -166,7 +174,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def swap_out(self, data):
         rid = data.draw(st.sampled_from(self._resident()))
         table = list(self.kv.block_table(rid))
-        private = [b for b in table if self.kv.pool.blocks[b].ref_cnt == 1]
+        private = [b for b in table if b >= 0 and self.kv.pool.blocks[b].ref_cnt == 1]
         if not self.kv.can_swap_out(rid):
             before = kv_state(self.kv)
             with pytest.raises(OutOfBlocksError):
@@ -197,7 +205,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.swapped.discard(rid)
         self._run_step(swap_in=pairs)
         # The engine republishes the request's full blocks after its next step.
-        self.kv.cache_blocks(rid, self.tokens[rid], len(self.tokens[rid]))
+        self._publish(rid)
 
     @precondition(lambda self: any(r not in self.swapped for r in self.tokens))
     @rule(data=st.data(), k=st.integers(1, 3))
@@ -264,6 +272,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             req = self.kv.requests[rid]
             for pos in range(len(toks)):
                 i, o = divmod(pos, BS)
+                if not self._visible(rid, pos):
+                    continue
                 if i in req.host_blocks:
                     got = self.host.get(req.host_blocks[i] * BS + o)
                 else:

@@ -191,6 +191,12 @@ class KVCacheManager:
                 return [RELEASED] * first + [b for b in ids[first:n]], n * bs
         return [], 0
 
+    def release_outside_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Release the request's blocks that no query at num_computed_tokens or later can see
+        (the engine does this for every scheduled request after each step)."""
+        if self.sliding_window is not None:
+            self._release_outside_window(self._get(request_id), num_computed_tokens)
+
     def _release_outside_window(self, req: _RequestBlocks, num_computed_tokens: int) -> None:
         """Release the leading blocks no future query can see (sliding window)."""
         dead = min(first_live_block(num_computed_tokens, self.sliding_window, self.block_size),
@@ -418,6 +424,13 @@ class KVCacheManager:
         req = self._get(request_id)
         if req.swapped:
             raise CacheError(f"request {request_id!r} is swapped out; swap it in first")
+        if self.sliding_window is not None and req.num_released > first_live_block(
+            num_tokens, self.sliding_window, self.block_size
+        ):
+            raise CacheError(
+                f"cannot trim request {request_id!r} to {num_tokens} tokens: the window there "
+                "needs blocks already released"
+            )
         keep = cdiv(num_tokens, self.block_size)
         if keep < len(req.block_table):
             self.pool.free([b for b in reversed(req.block_table[keep:]) if b >= 0])
