@@ -369,6 +369,7 @@ def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
         ({"prompt": "hi", "logprobs": 99}, ["logprobs"]),
         ({"prompt": "hi", "presence_penalty": 2.5}, ["presence_penalty must be in [-2, 2]"]),
         ({"prompt": "hi", "logit_bias": {"999": 5}}, ["logit_bias has token id 999"]),
+        ({"prompt": "hi", "use_beam_search": True}, ["use_beam_search"]),  # refused by name
         ({"prompt": [99999]}, ["vocabulary"]),
         ({"prompt": "hi", "max_tokens": 10_000}, ["context length"]),
         ({"prompt": "word " * 600}, ["context"]),

@@ -4,6 +4,7 @@ Prometheus metrics)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from pathlib import Path
@@ -36,9 +37,46 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument(
         "--api-key",
+        action="extend",
+        nargs="+",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVLEDGER_API_KEY; "
-        "/health and /metrics stay open)",
+        help="require 'Authorization: Bearer KEY' on /v1/*; several keys (repeated or listed) "
+        "are each accepted (default: $VLLM_API_KEY and $KVLEDGER_API_KEY; /health, /metrics, "
+        "/tokenize stay open, as in vLLM)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=["*"],
+        help='CORS allowed origins, a JSON list (default: ["*"], as vLLM)',
+    )
+    p.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: allow credentials"
+    )
+    p.add_argument(
+        "--allowed-methods", type=_json_list, default=["*"], help="CORS allowed methods (JSON list)"
+    )
+    p.add_argument(
+        "--allowed-headers", type=_json_list, default=["*"], help="CORS allowed headers (JSON list)"
+    )
+    p.add_argument(
+        "--root-path",
+        default=None,
+        help="the path prefix a proxy serves the API under (FastAPI/uvicorn root_path)",
+    )
+    p.add_argument("--ssl-keyfile", default=None, help="TLS private key file (PEM)")
+    p.add_argument("--ssl-certfile", default=None, help="TLS certificate file (PEM)")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (PEM)")
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="do not log each request's id, prompt size and sampling parameters",
+    )
+    p.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (its access log is at info; default: info)",
     )
     p.add_argument(
         "--served-model-name",
@@ -75,6 +113,24 @@ def add_parser(subparsers: Any) -> None:
         "a busy machine run far faster with 1",
     )
     add_engine_args(p)
+
+
+def _json_list(text: str) -> list[str]:
+    """vLLM's CORS flags take a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings like ["*"], got {text!r}')
+    return value
+
+
+def api_keys_from(args_keys: list[str] | None) -> list[str]:
+    """--api-key wins (all of them); else $VLLM_API_KEY and $KVLEDGER_API_KEY, each if set."""
+    if args_keys:
+        return [k for k in args_keys if k]
+    return [k for k in (os.environ.get("VLLM_API_KEY"), os.environ.get("KVLEDGER_API_KEY")) if k]
 
 
 def load_chat_template(value: str) -> str:
@@ -132,7 +188,13 @@ def run(args: argparse.Namespace) -> int:
     if max_body <= 0:
         raise ConfigError("--max-body-bytes must be positive")
     template = load_chat_template(args.chat_template) if args.chat_template else None
-    api_key = args.api_key or os.environ.get("KVLEDGER_API_KEY") or None
+    api_keys = api_keys_from(args.api_key)
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, flag)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"--{flag.replace('_', '-')} {path!r} is not a file")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
 
     if args.torch_threads is not None and args.torch_threads < 1:
         raise ConfigError(f"--torch-threads must be >= 1, got {args.torch_threads}")
@@ -158,20 +220,31 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_names=names,
         model_path=str(engine.config.model),
-        api_key=api_key,
+        api_key=api_keys or None,
         chat_template=template,
         max_body_bytes=max_body,
         dashboard=not args.no_dashboard,
+        allowed_origins=args.allowed_origins,
+        allow_credentials=args.allow_credentials,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        root_path=args.root_path or "",
+        log_requests=not args.disable_log_requests,
     )
+    scheme = "https" if args.ssl_certfile else "http"
     if config.dashboard:
-        key = "?key=<key>" if api_key else ""
-        log.info("dashboard: http://%s:%d/dashboard%s", args.host, args.port, key)
+        key = "?key=<key>" if api_keys else ""
+        log.info("dashboard: %s://%s:%d/dashboard%s", scheme, args.host, args.port, key)
     app = build_app(engine, config)
     uvicorn.run(
         app,
         host=args.host,
         port=args.port,
-        log_level=args.log_level,
+        log_level=args.uvicorn_log_level,
+        root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     return 0

@@ -22,15 +22,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import kvledger
 from kvledger.core.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvledger.core.engine import LLMEngine
 from kvledger.errors import KVLedgerError
 from kvledger.logprobs import Logprob
 from kvledger.outputs import CompletionOutput, RequestOutput, merge_deltas
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
-from kvledger.server.metrics import EngineState, ServerMetrics
+from kvledger.server.metrics import ServerMetrics
 from kvledger.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -46,8 +48,7 @@ from kvledger.server.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
-    ModelCard,
-    ModelList,
+    PromptLogprob,
     PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
@@ -59,6 +60,13 @@ logger = logging.getLogger("kvledger.server")
 T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+_MAX_MESSAGES = 4096  # a chat request's messages (the body limit bounds them too)
+# apply_chat_template's own arguments, which chat_template_kwargs must not override
+_RESERVED_TEMPLATE_ARGS = frozenset(
+    {"conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
+     "tools", "documents", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+     "tokenizer_kwargs", "return_assistant_tokens_mask"}
+)  # fmt: skip
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
@@ -66,11 +74,23 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 class ServerConfig:
     served_model_names: list[str]
     model_path: str = ""
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # one key or several, each accepted
     chat_template: str | None = None  # overrides the tokenizer's
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     dashboard: bool = True  # GET /dashboard (kvledger/server/dashboard.py)
     created: int = field(default_factory=lambda: int(time.time()))
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])  # CORS, as vLLM
+    allow_credentials: bool = False
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    root_path: str = ""  # a proxy's path prefix
+    log_requests: bool = True
+
+    @property
+    def api_keys(self) -> list[str]:
+        if self.api_key is None:
+            return []
+        return [self.api_key] if isinstance(self.api_key, str) else list(self.api_key)
 
 
 class APIError(Exception):
@@ -101,20 +121,27 @@ def error_response(
 class _Guard:
     """ASGI middleware: the API key on /v1/*, then the body-size limit, before any parsing."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.api_keys = [k.encode() for k in api_keys]
         self.max_body_bytes = max_body_bytes
+
+    def _key_ok(self, key: bytes) -> bool:
+        ok = False
+        for k in self.api_keys:  # compare with every key: the time says nothing about which
+            ok |= hmac.compare_digest(key, k)
+        return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if self.api_keys and path.startswith("/v1") and scope["method"] != "OPTIONS":
             auth = headers.get(b"authorization", b"")
             scheme, _, key = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
+            if scheme.lower() != b"bearer" or not self._key_ok(key.strip()):
                 msg = "missing API key" if not auth else "incorrect API key"
                 resp = error_response(
                     401, f"{msg}: send 'Authorization: Bearer <key>'", code="invalid_api_key"
@@ -296,14 +323,25 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             aengine.shutdown()
             logger.info("engine stopped; every request aborted")
 
-    app = FastAPI(title="kvledger", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="kvledger", version=kvledger.__version__, lifespan=lifespan, root_path=config.root_path
+    )
     app.state.engine = aengine
     app.state.metrics = metrics
-    app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(_Guard, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes)
+    # CORS outermost (added last), so that preflights and 401s carry its headers, as in vLLM
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=config.allowed_origins,
+        allow_credentials=config.allow_credentials,
+        allow_methods=config.allowed_methods,
+        allow_headers=config.allowed_headers,
+    )
     if config.dashboard:
         from kvledger.server.dashboard import mount_dashboard
 
-        mount_dashboard(app, aengine, model_name, config.api_key)
+        keys = config.api_keys
+        mount_dashboard(app, aengine, model_name, keys[0] if keys else None)
 
     # -- errors ------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -312,7 +350,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(KVLedgerError)
     async def _kvledger_error(_: Request, e: KVLedgerError) -> JSONResponse:
-        return error_response(400, str(e))
+        return error_response(400, str(e), param=getattr(e, "param", None))
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: Request, e: RecursionError) -> JSONResponse:
+        return error_response(400, "the body is nested too deeply")
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
@@ -351,9 +393,20 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                 code="model_not_found",
             )
 
-    def check_params(params: SamplingParams) -> None:
+    vocab = engine.vocab_size
+
+    def check_params(params: SamplingParams, num_prompts: int = 1) -> None:
+        """What only the server can judge: sequences per request (the engine checks token ids)."""
         if params.n > max_n:
             raise APIError(400, f"n must be <= {max_n} (--max-num-seqs)", param="n")
+        if params.n * num_prompts > max_n:
+            raise APIError(
+                400,
+                f"{num_prompts} prompts x n={params.n} is over {max_n} sequences (--max-num-seqs)",
+                param="prompt",
+            )
+        if params.top_k >= vocab:
+            params.top_k = 0  # every token: the same as no top-k
 
     async def add_all(
         prompts: list[str | list[int]],
@@ -373,6 +426,12 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             for s in streams:
                 s.abort()
             raise
+        if config.log_requests:
+            for s in streams:
+                logger.info(
+                    "request %s: %d prompt tokens, %s",
+                    s.request_id, len(s.prompt_token_ids), params,
+                )  # fmt: skip
         return streams
 
     def abort_all(streams: list[RequestStream]) -> Callable[[], None]:
@@ -404,6 +463,44 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             offset += len(tok)
         return res
 
+    def echo_logprobs(out: RequestOutput, prompt_ids: list[int]) -> CompletionLogprobs:
+        """The prompt's tokens as vLLM echoes them: the first has no logprob (nothing precedes
+        it), the rest their prompt logprobs."""
+        res = CompletionLogprobs()
+        offset = 0
+        plps = out.prompt_logprobs or [None] * len(prompt_ids)
+        for tid, d in zip(prompt_ids, plps):
+            lp = d.get(tid) if d else None
+            tok = lp.decoded_token if lp is not None and lp.decoded_token is not None else (
+                tokenizer.decode([tid]) if tokenizer is not None else ""
+            )
+            res.tokens.append(tok)
+            res.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
+            res.top_logprobs.append(
+                {(x.decoded_token or ""): _clamp(x.logprob) for x in d.values()} if d else None
+            )
+            res.text_offset.append(offset)
+            offset += len(tok)
+        return res
+
+    def render_prompt_logprobs(plps: Any) -> list[dict[str, PromptLogprob] | None] | None:
+        if plps is None:
+            return None
+        return [
+            None
+            if d is None
+            else {
+                str(t): PromptLogprob(
+                    logprob=_clamp(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+                )
+                for t, lp in d.items()
+            }
+            for d in plps
+        ]
+
+    def body_wants_prompt_logprobs(params: SamplingParams) -> bool:
+        return params.prompt_logprobs is not None
+
     def chat_logprobs(lps: list[dict[int, Logprob]], num_top: int) -> ChatLogprobs:
         """OpenAI's chat logprobs: the sampled token, and the ``num_top`` most likely."""
         content = []
@@ -432,50 +529,16 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return ChatLogprobs(content=content)
 
     # -- endpoints ---------------------------------------------------------------------------
-    @app.get("/health")
-    async def health() -> Response:
-        if not aengine.is_running:
-            return error_response(503, "the engine is not running", type="server_error")
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(
-                    id=n,
-                    created=config.created,
-                    root=config.model_path,
-                    max_model_len=engine.max_model_len,
-                )
-                for n in config.served_model_names
-            ]
-        )
-
-    @app.get("/v1/ledger")
-    async def ledger() -> JSONResponse:
-        d = await aengine.ledger()
-        d["model"] = model_name
-        d["max_model_len"] = engine.max_model_len
-        return JSONResponse(d)
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        state = await aengine.run_in_engine(EngineState.capture)
-        return Response(
-            metrics.render(state), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         params = body.to_sampling_params(engine.default_sampling_params)
         params.output_kind = RequestOutputKind.DELTA  # the engine sends only what is new
-        check_params(params)
         prompts = body.prompts()
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        check_params(params, len(prompts))
+        rid = f"cmpl-{body.request_id or uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await add_all(prompts, params, rid, body.priority)
+        streams = await add_all(prompts, params, rid, body.priority, body.add_special_tokens)
         echo = [p if isinstance(p, str) else "" for p in prompts] if body.echo else None
         if body.stream:
             gen = completion_stream(body, params, streams, rid, created, echo)
@@ -490,12 +553,18 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         for i, out in enumerate(outs):
             prefix = echo[i] if echo else ""
             for c in out.outputs:
+                lps = None
+                if c.logprobs is not None:
+                    lps = completion_logprobs(c.logprobs, len(prefix))
+                    if echo:
+                        lps = echo_logprobs(out, streams[i].prompt_token_ids).extend(lps)
                 choices.append(
                     CompletionChoice(
                         index=i * params.n + c.index,
                         text=prefix + c.text,
-                        logprobs=completion_logprobs(c.logprobs, 0)
-                        if c.logprobs is not None
+                        logprobs=lps,
+                        prompt_logprobs=render_prompt_logprobs(out.prompt_logprobs)
+                        if body_wants_prompt_logprobs(params)
                         else None,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
@@ -529,12 +598,17 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                     if d is None:
                         d = deltas[index] = _Delta()
                         if echo and echo[i]:
+                            lps = None
+                            if params.logprobs is not None:
+                                lps = echo_logprobs(out, streams[i].prompt_token_ids)
                             yield _sse(
                                 CompletionResponse(
                                     id=rid,
                                     created=created,
                                     model=model_name,
-                                    choices=[CompletionChoice(index=index, text=echo[i])],
+                                    choices=[
+                                        CompletionChoice(index=index, text=echo[i], logprobs=lps)
+                                    ],
                                 )
                             )
                     step = _advance(d, c)
@@ -543,7 +617,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                     text, offset, finished = step
                     lps = None
                     if c.logprobs is not None:
-                        lps = completion_logprobs(c.logprobs, offset)
+                        lps = completion_logprobs(c.logprobs, offset + len(echo[i] if echo else ""))
                     yield _sse(
                         CompletionResponse(
                             id=rid,
@@ -577,20 +651,19 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         params = body.to_sampling_params(engine.default_sampling_params)
         params.output_kind = RequestOutputKind.DELTA  # the engine sends only what is new
         check_params(params)
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so chat is not available")
-        if not chat_template:
-            raise APIError(
-                400,
-                "this model's tokenizer has no chat template; start the server with "
-                "--chat-template FILE_OR_STRING, or use /v1/completions",
-                param="messages",
-                code="chat_template_missing",
-            )
-        prompt = render_chat(body)
-        bos = getattr(tokenizer, "bos_token", None)
-        add_special = not (bos and prompt.startswith(bos))  # the template wrote BOS itself
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if len(body.messages) > _MAX_MESSAGES:
+            raise APIError(400, f"at most {_MAX_MESSAGES} messages", param="messages")
+        prompt = render_chat(
+            body.conversation(),
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template_kwargs,
+        )
+        add_special = body.add_special_tokens
+        if add_special is None:
+            bos = getattr(tokenizer, "bos_token", None)
+            add_special = not (bos and prompt.startswith(bos))  # the template wrote BOS itself
+        rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         created = int(time.time())
         streams = await add_all([prompt], params, rid, body.priority, add_special)
         if body.stream:
@@ -624,21 +697,48 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         )
         return JSONResponse(resp.model_dump())
 
-    def render_chat(body: ChatCompletionRequest) -> str:
-        import jinja2
-
+    def render_chat(
+        conversation: list[dict[str, str]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template_kwargs: dict[str, Any] | None,
+    ) -> str:
+        """The conversation through the chat template; every failure is the client's 400."""
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so chat is not available")
+        if not chat_template:
+            raise APIError(
+                400,
+                "this model's tokenizer has no chat template; start the server with "
+                "--chat-template FILE_OR_STRING, or use /v1/completions",
+                param="messages",
+                code="chat_template_missing",
+            )
+        extra = dict(chat_template_kwargs or {})
+        taken = sorted(set(extra) & _RESERVED_TEMPLATE_ARGS)
+        if taken:
+            raise APIError(
+                400, f"chat_template_kwargs may not set {', '.join(taken)}",
+                param="chat_template_kwargs",
+            )  # fmt: skip
         try:
-            return tokenizer.apply_chat_template(
-                body.conversation(),
+            text = tokenizer.apply_chat_template(
+                conversation,
                 chat_template=chat_template,
                 tokenize=False,
-                add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {}),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **extra,
             )
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
+        except KVLedgerError:
+            raise
+        except Exception as e:  # the template runs on the client's messages: their error
             raise APIError(
                 400, f"the chat template rejected the messages: {e}", param="messages"
             ) from None
+        if not isinstance(text, str) or not text:
+            raise APIError(400, "the chat template rendered an empty prompt", param="messages")
+        return text
 
     async def chat_stream(
         body: ChatCompletionRequest,
@@ -688,4 +788,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="server_error")))
         yield "data: [DONE]\n\n"
 
+    from kvledger.server.ops import mount_ops
+
+    mount_ops(app, aengine, config, metrics, check_model, render_chat)
     return app

@@ -1,5 +1,6 @@
-"""Prometheus metrics with vLLM's names under a ``kvledger:`` prefix, in the server's own
-CollectorRegistry.
+"""Prometheus metrics in the server's own CollectorRegistry, twice: kvledger's ledger series
+under ``kvledger:``, and the series vLLM users' dashboards and autoscalers read under vLLM's
+own names, types, buckets and labels (``vllm:...``, labels ``model_name`` and ``engine``).
 
 Gauges and engine counters (KV usage, queues, prefix cache, preemptions, swap traffic,
 generated tokens) are read from the live ledger at scrape time, so /metrics can never drift
@@ -22,6 +23,15 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+# vLLM's current defaults (vllm/v1/metrics/buckets.py), for the vllm:* histograms.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                        50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+ENGINE_INDEX = "0"  # vLLM's ``engine`` label: kvledger runs one engine per server
 
 
 @dataclass
@@ -123,6 +133,7 @@ class _EngineCollector:
             for mode in ("swap", "recompute"):
                 c.add_metric([m, mode], s.preemptions.get(mode, 0))
         yield c
+        yield from self._vllm_families(s, with_samples)
         c = CounterMetricFamily(
             "kvledger:swapped_bytes",
             "KV bytes moved between device and host, by direction.",
@@ -132,6 +143,42 @@ class _EngineCollector:
             c.add_metric([m, "out"], s.swap_out_bytes)
             c.add_metric([m, "in"], s.swap_in_bytes)
         yield c
+
+
+    def _vllm_families(self, s: EngineState, with_samples: bool):
+        """The scheduler and cache series under vLLM's names (gauges and counters)."""
+        labels, values = ["model_name", "engine"], [self.model_name, ENGINE_INDEX]
+        for name, doc, value in [
+            ("num_requests_running", "Number of requests in model execution batches.", s.running),
+            ("num_requests_waiting", "Number of requests waiting to be processed.", s.waiting),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.usage),
+        ]:
+            g = GaugeMetricFamily(f"vllm:{name}", doc, labels=labels)
+            if with_samples:
+                g.add_metric(values, value)
+            yield g
+        for name, doc, value in [
+            (
+                "prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                s.prefix_cache_queries,
+            ),
+            (
+                "prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                s.prefix_cache_hits,
+            ),
+            (
+                "num_preemptions",
+                "Cumulative number of preemption from the engine.",
+                sum(s.preemptions.values()),
+            ),
+            ("generation_tokens", "Number of generation tokens processed.", s.generation_tokens),
+        ]:
+            c = CounterMetricFamily(f"vllm:{name}", doc, labels=labels)
+            if with_samples:
+                c.add_metric(values, value)
+            yield c
 
 
 class ServerMetrics:
@@ -167,12 +214,49 @@ class ServerMetrics:
             buckets=_ITL_BUCKETS,
             registry=self.registry,
         )
+        self._vllm_request_metrics()
         self._last: dict[str, tuple[int, float]] = {}  # request -> (tokens seen, last token time)
         self._render_lock = threading.Lock()
+
+    def _vllm_request_metrics(self) -> None:
+        labels, values = ["model_name", "engine"], [self.model_name, ENGINE_INDEX]
+        reg = self.registry
+        self.v_prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=reg
+        ).labels(*values)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        self.v_success = {r: success.labels(*values, r) for r in VLLM_FINISH_REASONS}
+        self.v_ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=VLLM_TTFT_BUCKETS,
+            registry=reg,
+        ).labels(*values)
+        self.v_itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            buckets=VLLM_ITL_BUCKETS,
+            registry=reg,
+        ).labels(*values)
+        self.v_e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels,
+            buckets=VLLM_LATENCY_BUCKETS,
+            registry=reg,
+        ).labels(*values)
 
     # -- AsyncEngine observer (engine thread) ------------------------------------------------
     def on_request_added(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self.v_prompt_tokens.inc(num_prompt_tokens)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         m = self.model_name
@@ -184,13 +268,21 @@ class ServerMetrics:
                 if prev is None:
                     if met.first_token_time is not None:
                         self.ttft.labels(m).observe(met.first_token_time - met.arrival_time)
+                        self.v_ttft.observe(met.first_token_time - met.arrival_time)
                 elif num_tokens > prev[0]:
                     self.itl.labels(m).observe(met.last_token_time - prev[1])
+                    self.v_itl.observe(met.last_token_time - prev[1])
                 self._last[out.request_id] = (num_tokens, met.last_token_time)
             if out.finished:
                 self._last.pop(out.request_id, None)
                 for c in out.outputs:
                     self.request_success.labels(m, c.finish_reason or "abort").inc()
+                    reason = c.finish_reason if c.finish_reason in self.v_success else "abort"
+                    self.v_success[reason].inc()
+                if met is not None:
+                    end = met.finished_time or met.last_token_time
+                    if end is not None:
+                        self.v_e2e.observe(end - met.arrival_time)
 
     # -- scrape ----------------------------------------------------------------------------
     def render(self, state: EngineState) -> bytes:

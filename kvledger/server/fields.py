@@ -1,0 +1,165 @@
+"""The request-field policy: every OpenAI / vLLM field the request models do not declare is
+either forwarded to SamplingParams or refused here, never silently dropped.
+
+One table per decision, so that a later feature (structured outputs, tools) replaces a refusal
+by deleting its row and declaring the field where it is honoured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from kvledger.errors import InvalidRequestError
+from kvledger.sampling_params import SamplingParams
+
+
+class FieldError(InvalidRequestError):
+    """A request field that cannot be honoured; ``param`` names it (OpenAI's error ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# vLLM's SamplingParams names a request may carry, with the JSON type each must have. They are
+# forwarded under the same name when kvledger's SamplingParams has a field of that name, and
+# refused ("not supported") otherwise, so each lands as soon as the sampler implements it.
+SAMPLING_FIELDS: dict[str, Any] = {
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "repetition_penalty": float,
+    "logit_bias": dict[str, float],
+    "allowed_token_ids": list[int],
+    "bad_words": list[str],
+    "prompt_logprobs": int,
+    "truncate_prompt_tokens": int,
+    "logprob_token_ids": list[int],
+}
+
+# Neutral values of the forwarded fields: sending one is the same as not sending the field.
+SAMPLING_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "logprob_token_ids": (None, []),
+}
+
+_STRUCTURED = "structured outputs (JSON schema, regex, grammar, choice) are not implemented yet"
+_TOOLS = "tool calling is not implemented yet"
+_MULTIMODAL = "this server serves text-only models"
+_REASONING = "this server has no reasoning parser"
+_DISAGG = "this server has no KV transfer between instances"
+
+# Field -> (values that mean "off", why any other value is refused).
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    # structured outputs (issue 16 replaces these rows)
+    "response_format": ((None, {"type": "text"}), _STRUCTURED),
+    "structured_outputs": ((None,), _STRUCTURED),
+    "guided_json": ((None,), _STRUCTURED),
+    "guided_regex": ((None,), _STRUCTURED),
+    "guided_choice": ((None,), _STRUCTURED),
+    "guided_grammar": ((None,), _STRUCTURED),
+    "guided_json_object": ((None, False), _STRUCTURED),
+    "guided_decoding_backend": ((None,), _STRUCTURED),
+    "guided_whitespace_pattern": ((None,), _STRUCTURED),
+    # tools
+    "tools": ((None, []), _TOOLS),
+    "tool_choice": ((None, "none", "auto"), _TOOLS),
+    "parallel_tool_calls": ((None, True, False), _TOOLS),
+    "functions": ((None, []), _TOOLS),
+    "function_call": ((None, "none", "auto"), _TOOLS),
+    # decoding modes kvledger does not have
+    "use_beam_search": ((None, False), "beam search is not implemented"),
+    "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search only"),
+    "watermarking": ((None,), "watermarking is not implemented"),
+    "repetition_detection": ((None,), "repetition detection is not implemented"),
+    "thinking_token_budget": ((None,), _REASONING),
+    "reasoning_effort": ((None,), _REASONING),
+    "include_reasoning": ((None, True), _REASONING),
+    "prediction": ((None,), "predicted outputs are not implemented"),
+    "truncation_side": ((None,), "prompt truncation is not implemented"),
+    # inputs kvledger does not take
+    "prompt_embeds": ((None,), "prompt embeddings are not accepted; send text or token ids"),
+    "media_io_kwargs": ((None, {}), _MULTIMODAL),
+    "mm_processor_kwargs": ((None, {}), _MULTIMODAL),
+    "mm_payload": ((None, "tensors"), _MULTIMODAL),
+    "return_mm_kwargs": ((None, False), _MULTIMODAL),
+    "modalities": ((None, ["text"]), _MULTIMODAL),
+    "audio": ((None,), _MULTIMODAL),
+    "documents": ((None, []), "documents for RAG chat templates are not accepted"),
+    "chat_template": (
+        (None,),
+        "per-request chat templates are not accepted; start the server with --chat-template",
+    ),
+    "web_search_options": ((None,), "web search is not available"),
+    # response extras kvledger does not produce
+    "return_tokens_as_token_ids": ((None, False), "not implemented"),
+    "return_token_ids": ((None, False), "not implemented"),
+    "return_token_offsets": ((None, False), "not implemented"),
+    "return_prompt_text": ((None, False), "not implemented"),
+    "routed_experts_prompt_start": ((None, 0), "not implemented"),
+    "top_logprobs_of": ((None,), "not implemented"),
+    # serving features of vLLM's deployment
+    "kv_transfer_params": ((None,), _DISAGG),
+    "ec_transfer_params": ((None,), _DISAGG),
+    "cache_salt": ((None,), "prefix-cache salting is not implemented"),
+    "vllm_xargs": ((None, {}), "no extension takes extra arguments"),
+    "stream_interval": ((None, 1), "every step's output is streamed"),
+    "session_id": ((None,), "sessions are not implemented"),
+    "store": ((None, False), "this server stores no completions"),
+    "metadata": ((None, {}), "this server stores no completions"),
+    "service_tier": ((None, "auto", "default"), "this server has one service tier"),
+    "verbosity": ((None,), "not implemented"),
+}
+
+# Accepted and deliberately without effect on the output (OpenAI's own semantics).
+ACCEPTED_NO_EFFECT = frozenset({"user", "safety_identifier", "prompt_cache_key"})
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
+def check_extra_fields(extra: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields to forward, after refusing anything this server cannot honour.
+
+    Unknown fields pass only as null (a client that sets a field to "nothing" loses nothing).
+    """
+    forward: dict[str, Any] = {}
+    params = {f.name for f in dataclasses.fields(SamplingParams)}
+    for name, value in extra.items():
+        if name in SAMPLING_FIELDS:
+            if _is_neutral(value, SAMPLING_NEUTRAL[name]):
+                continue
+            if name not in params:
+                raise FieldError(f"{name} is not supported by this server", param=name)
+            try:
+                forward[name] = TypeAdapter(SAMPLING_FIELDS[name]).validate_python(value)
+            except ValidationError as e:
+                msg = e.errors()[0].get("msg", "invalid")
+                raise FieldError(f"{name}: {msg}", param=name) from None
+        elif name in REFUSED:
+            neutral, why = REFUSED[name]
+            if not _is_neutral(value, neutral):
+                raise FieldError(f"{name} is not supported: {why}", param=name)
+        elif name in ACCEPTED_NO_EFFECT:
+            if value is not None and not isinstance(value, str):
+                raise FieldError(f"{name} must be a string", param=name)
+        elif value is not None:
+            raise FieldError(f"unknown field {name!r}", param=name)
+    return forward
+
+
+def refuse_extra_fields(extra: dict[str, Any]) -> None:
+    """For endpoints without sampling (tokenize, detokenize): any non-null extra field is a 400."""
+    for name, value in extra.items():
+        if value is not None:
+            raise FieldError(f"unknown field {name!r}", param=name)
