@@ -36,8 +36,13 @@ _warned: set[str] = set()
 def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
     """Split flat keyword options (vLLM style) into the three config dataclasses."""
     from kvledger.model.default import resolve_named_model
+    from kvledger.model.hub import resolve_model_path
 
-    model = resolve_named_model(model)
+    revision, download_dir = kwargs.pop("revision", None), kwargs.pop("download_dir", None)
+    tokenizer_revision = kwargs.pop("tokenizer_revision", None) or revision
+    model = resolve_model_path(resolve_named_model(model), revision, download_dir)
+    if kwargs.get("tokenizer"):
+        kwargs["tokenizer"] = resolve_model_path(kwargs["tokenizer"], tokenizer_revision, download_dir)
     tp = kwargs.pop("tensor_parallel_size", 1)
     if tp != 1:
         raise ConfigError(

@@ -28,6 +28,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--revision", default=None, help="hub model revision: branch, tag or commit (default: main)"
+    )
+    g.add_argument(
+        "--download-dir",
+        default=None,
+        help="Hugging Face cache folder for hub models (default: $HF_HUB_CACHE or ~/.cache/huggingface)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,6 +59,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "seed": args.seed,
     }
+    if args.revision is not None:
+        kw["revision"] = args.revision
+    if args.download_dir is not None:
+        kw["download_dir"] = args.download_dir
     if args.kv_cache_memory is not None:
         kw["kv_cache_memory"] = parse_size(args.kv_cache_memory)
     if args.max_model_len is not None:

@@ -9,16 +9,15 @@ the file. Weight files must not be rewritten in place while a model is loaded fr
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from kvledger.errors import ConfigError, UnsupportedArchitectureError
 from kvledger.ledger.accounting import ModelSpec, architecture, text_config
+from kvledger.model.checkpoint import CheckpointReader, quantization_method
 from kvledger.model.layers import can_pack_linear
 from kvledger.model.llama import LlamaForCausalLM, ModelConfig
 
@@ -225,25 +224,6 @@ def eos_token_ids(path: Path, hf_config: dict[str, Any]) -> list[int]:
     return ids
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
-    """HF tensor name → the safetensors file holding it (single file or sharded index)."""
-    single = path / "model.safetensors"
-    if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), single)
-    index = path / "model.safetensors.index.json"
-    if not index.is_file():
-        raise ConfigError(
-            f"missing model.safetensors (or model.safetensors.index.json) in model folder {path}"
-        )
-    weight_map = _read_json(index).get("weight_map") or {}
-    files = {name: path / shard for name, shard in weight_map.items()}
-    for shard in set(files.values()):
-        if not shard.is_file():
-            raise ConfigError(f"missing weight shard {shard.name} in model folder {path}")
-    return files
-
-
 def _sources(model: LlamaForCausalLM) -> dict[str, list[tuple[str, int, int]]]:
     """Our parameter name → (HF tensor name, first row, rows) of each piece that fills it.
 
@@ -294,40 +274,41 @@ def _sources(model: LlamaForCausalLM) -> dict[str, list[tuple[str, int, int]]]:
 
 
 def load_weights(
-    model: LlamaForCausalLM, path: Path, dtype: torch.dtype, device: torch.device
+    model: LlamaForCausalLM,
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    hf_config: dict[str, Any] | None = None,
 ) -> None:
-    """Fill a meta-device model from safetensors. A tensor that needs no change (CPU, same dtype,
-    not fused) becomes its parameter as a view of the memory-mapped file; the rest are copied
-    once, straight into their (possibly fused) parameter, converting dtype on the way."""
-    files = _weight_files(path)
+    """Fill a meta-device model from the checkpoint (kvledger/model/checkpoint.py). A tensor
+    that needs no change (CPU, same dtype, not fused) becomes its parameter as a view of the
+    memory-mapped file; the rest are copied once, straight into their (possibly fused)
+    parameter, converting dtype (and dequantising FP8) on the way."""
+    reader = CheckpointReader(path, hf_config)
     sources = _sources(model)
-    missing = [hf for pieces in sources.values() for hf, _, _ in pieces if hf not in files]
+    missing = [hf for pieces in sources.values() for hf, _, _ in pieces if hf not in reader]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ConfigError(f"model folder {path} lacks {len(missing)} weight(s): {shown}")
 
     shapes = {name: param.shape for name, param in model.named_parameters()}
-    by_file: dict[Path, list[tuple[str, str, int, int]]] = defaultdict(list)
+    state: dict[str, torch.Tensor] = {}
     for name, pieces in sources.items():
         for hf, row, n in pieces:
-            by_file[files[hf]].append((name, hf, row, n))
-    state: dict[str, torch.Tensor] = {}
-    for file, entries in by_file.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name, hf, row, n in entries:
-                t = f.get_tensor(hf)  # a view of the memory-mapped file: no copy yet
-                shape = shapes[name]
-                if t.shape != (n, *shape[1:]):
-                    raise ConfigError(
-                        f"weight {hf} in {file.name} has shape {tuple(t.shape)}, "
-                        f"config implies {(n, *shape[1:])}"
-                    )
-                if len(sources[name]) == 1 and t.dtype == dtype and device.type == "cpu":
-                    state[name] = t  # zero-copy: pages come in from the page cache on first use
-                    continue
-                if name not in state:
-                    state[name] = torch.empty(shape, dtype=dtype, device=device)
-                state[name][row : row + n].copy_(t)
+            t = reader.get(hf)  # a view of the memory-mapped file where possible
+            shape = shapes[name]
+            if t.shape != (n, *shape[1:]):
+                raise ConfigError(
+                    f"weight {hf} in {reader.file_of(hf).name} has shape {tuple(t.shape)}, "
+                    f"config implies {(n, *shape[1:])}"
+                )
+            if len(pieces) == 1 and t.dtype == dtype and device.type == "cpu":
+                state[name] = t  # zero-copy: pages come in from the page cache on first use
+                continue
+            if name not in state:
+                state[name] = torch.empty(shape, dtype=dtype, device=device)
+            state[name][row : row + n].copy_(t)
+    reader.close()
     model.load_state_dict(state, strict=False, assign=True)
 
 
@@ -345,6 +326,7 @@ def load_model(
     if not path.is_dir():
         raise ConfigError(f"model folder {path} does not exist")
     hf_config = _read_json(path / "config.json")
+    quantization_method(hf_config)  # refuse a method we cannot run before building anything
     cfg = model_config_from_hf(hf_config)
     torch_dtype = resolve_dtype(dtype, hf_config)
     device = torch.device(device)
@@ -359,7 +341,7 @@ def load_model(
 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions=max_model_len, rope_device=device)
-    load_weights(model, path, torch_dtype, device)
+    load_weights(model, path, torch_dtype, device, hf_config)
     model.eval()
     if pack_linear and can_pack_linear(torch_dtype, device):
         model.pack_linears()
