@@ -3,15 +3,14 @@ Prometheus metrics, and vLLM's /tokenize and /detokenize (same request and respo
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 import kvledger
-from kvledger.core.async_engine import AsyncEngine
 from kvledger.errors import InvalidRequestError
+from kvledger.server.errors import error_response
 from kvledger.server.metrics import EngineState, ServerMetrics
 from kvledger.server.protocol import (
     DetokenizeRequest,
@@ -21,20 +20,14 @@ from kvledger.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvledger.server.serving import ServingContext
 
 
-def mount_ops(
-    app: FastAPI,
-    aengine: AsyncEngine,
-    config: Any,
-    metrics: ServerMetrics,
-    check_model: Callable[[str | None], None],
-    render_chat: Callable[..., str],
-) -> None:
-    from kvledger.server.app import error_response
-
+def mount_ops(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None:
+    aengine, config = ctx.aengine, ctx.config
     engine = aengine.engine
-    model_name = config.served_model_names[0]
+    model_name = ctx.model_name
+    check_model, render_chat = ctx.check_model, ctx.render_chat
 
     async def health() -> Response:
         if not aengine.is_running:

@@ -1,0 +1,117 @@
+"""POST /v1/chat/completions: messages through the chat template, then the same engine path
+as completions; streamed chunks open with the assistant role, as OpenAI's do."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvledger.outputs import CompletionOutput, RequestOutput
+from kvledger.sampling_params import RequestOutputKind
+from kvledger.server.errors import APIError
+from kvledger.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+)
+from kvledger.server.serving import ServingContext, chat_logprobs, render_prompt_logprobs
+from kvledger.server.streaming import SSEResponse, sse, sse_stream, until_disconnect, usage_of
+
+MAX_MESSAGES = 4096  # a chat request's messages (the body limit bounds them too)
+
+
+def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
+    model_name = ctx.model_name
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        ctx.check_model(body.model)
+        params = body.to_sampling_params(ctx.sampling_defaults)
+        params.output_kind = RequestOutputKind.DELTA  # the engine sends only what is new
+        ctx.check_params(params)
+        if len(body.messages) > MAX_MESSAGES:
+            raise APIError(400, f"at most {MAX_MESSAGES} messages", param="messages")
+        prompt = ctx.render_chat(
+            body.conversation(),
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template_kwargs,
+        )
+        add_special = body.add_special_tokens
+        if add_special is None:
+            bos = getattr(ctx.tokenizer, "bos_token", None)
+            add_special = not (bos and prompt.startswith(bos))  # the template wrote BOS itself
+        rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = await ctx.add_all([prompt], params, rid, body.priority, add_special)
+        if body.stream:
+
+            def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
+                return sse(
+                    ChatCompletionChunk(
+                        id=rid, created=created, model=model_name, choices=choices, usage=usage
+                    )
+                )
+
+            def render(
+                i: int, index: int, out: RequestOutput, c: CompletionOutput, step: Any, first: bool
+            ) -> list[str]:
+                if step is None:
+                    return []
+                text, _, finished = step
+                lps = None
+                if c.logprobs is not None:
+                    lps = chat_logprobs(c.logprobs, params.logprobs or 0)
+                choice = ChatStreamChoice(
+                    index=index,
+                    delta=DeltaMessage(content=text),
+                    logprobs=lps,
+                    finish_reason=c.finish_reason if finished else None,
+                )
+                return [chunk([choice])]
+
+            opening = [
+                chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for i in range(params.n)
+            ]
+            usage = (lambda u: chunk([], u)) if body.include_usage else None
+            gen = sse_stream(streams, params.n, render, usage, opening)
+            return SSEResponse(gen, on_close=ctx.abort_all(streams))
+        try:
+            outs = await until_disconnect(request, ctx.final_outputs(streams))
+        finally:
+            ctx.abort_all(streams)()
+        if outs is None:
+            return Response(status_code=499)
+        (out,) = outs
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=chat_logprobs(c.logprobs, params.logprobs or 0)
+                if c.logprobs is not None
+                else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in out.outputs
+        ]
+        resp = ChatCompletionResponse(
+            id=rid,
+            created=created,
+            model=model_name,
+            choices=choices,
+            usage=usage_of([out], [len(streams[0].prompt_token_ids)]),
+            prompt_logprobs=render_prompt_logprobs(out.prompt_logprobs)
+            if params.prompt_logprobs is not None
+            else None,
+        )
+        return JSONResponse(resp.model_dump())
