@@ -72,7 +72,7 @@ def _check_nothing_dropped(body: dict, model, params: SamplingParams) -> None:
 
 
 _SETTINGS = settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 
