@@ -4,6 +4,7 @@ token at a time, equals what decoding everything at once gives; stop strings and
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -182,6 +183,8 @@ def test_delta_outputs_of_n2_add_up_to_the_cumulative_ones(llm):
     finally:
         eng.stream_outputs = False
     assert len(outs) > 5 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    # Plain data: outputs cross a process boundary unchanged (the engine may move out).
+    assert pickle.loads(pickle.dumps(outs[-1])) == outs[-1]
     merged = outs[0]
     for o in outs[1:]:
         merged.add(o, aggregate=True)
