@@ -18,6 +18,7 @@ DTYPE_ALIASES = {
     "float16": "float16",
     "half": "float16",
 }
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -91,6 +92,8 @@ class EngineConfig:
     # "auto": the model folder's generation_config.json sampling defaults apply to requests
     # that leave them unset (as vLLM); "vllm": ignore the file (SamplingParams' defaults).
     generation_config: str = "auto"
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (see core/cuda_graphs.py)
 
     def validate(self) -> None:
         if self.dtype not in DTYPE_ALIASES:
@@ -104,6 +107,7 @@ class EngineConfig:
             )
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         self.scheduler.validate()
         self.cache.validate()
 

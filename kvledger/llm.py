@@ -22,10 +22,9 @@ _ENGINE = {f for f in EngineConfig.__dataclass_fields__} - {"scheduler", "cache"
 # vLLM keywords that change nothing here, with why (warned about once per process when set to
 # a value that would matter in vLLM).
 _NO_EFFECT: dict[str, tuple[object, str]] = {
-    "enforce_eager": (True, "kvledger always runs eagerly (no CUDA graphs to capture)"),
     "trust_remote_code": (False, "kvledger never runs code from a model folder"),
     "disable_log_stats": (True, "kvledger logs no periodic stats"),
-    "max_seq_len_to_capture": (None, "kvledger captures no CUDA graphs"),
+    "max_seq_len_to_capture": (None, "kvledger's decode graphs cover every context length"),
     "disable_custom_all_reduce": (True, "kvledger runs on one device"),
     "compilation_config": (None, "kvledger compiles nothing"),
     "tokenizer_mode": ("auto", "kvledger always uses the folder's (fast) tokenizer"),
@@ -60,6 +59,10 @@ def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
                 "gpu_memory_utilization has no effect on the CPU; size the KV cache with "
                 "kv_cache_memory (bytes) or num_kv_blocks"
             )
+    on_cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
+    if kwargs.get("enforce_eager") is False and not on_cuda and "enforce_eager" not in _warned:
+        _warned.add("enforce_eager")
+        logger.warning("enforce_eager has no effect on the CPU: CUDA graphs are captured on CUDA only")
     if "max_num_batched_tokens" not in kwargs and "max_model_len" in kwargs:
         kwargs["max_num_batched_tokens"] = max(2048, kwargs["max_model_len"])
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED}

@@ -7,8 +7,13 @@ import os
 import weakref
 from pathlib import Path
 
-import pytest
-import torch
+# Triton kernels run on CPU tensors under the interpreter (tests/test_triton_kernels.py). It must
+# be on before anything imports triton (transformers' model modules do): Triton's own jit'd
+# library functions are made interpreted or compiled at its import.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The test models are tiny (hidden <= 256): one thread is faster than two, and it keeps the

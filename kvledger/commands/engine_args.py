@@ -36,6 +36,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Hugging Face cache folder for hub models (default: $HF_HUB_CACHE or ~/.cache/huggingface)",
     )
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="auto: triton on CUDA, torch (native kernels) on CPU; triton on CPU needs TRITON_INTERPRET=1",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="CUDA: fraction of GPU memory for weights + activations + KV cache (from a profiling run)",
+    )
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -58,11 +71,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "seed": args.seed,
+        "attention_backend": args.attention_backend,
     }
     if args.revision is not None:
         kw["revision"] = args.revision
     if args.download_dir is not None:
         kw["download_dir"] = args.download_dir
+    if str(args.device).startswith("cuda"):
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.enforce_eager:
+        kw["enforce_eager"] = True
     if args.kv_cache_memory is not None:
         kw["kv_cache_memory"] = parse_size(args.kv_cache_memory)
     if args.max_model_len is not None:

@@ -66,8 +66,16 @@ class LLMEngine:
         self._free_at_start = (
             torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         )
+        from kvledger.model.attention.triton_backend import resolve_attention_backend
+
+        # Resolved before the weights load, so a bad choice fails fast with its reason.
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         loaded = load_model(config.model, dtype=config.dtype, device=config.device)
         self.model = loaded.model
+        if self.attention_backend == "triton":
+            from kvledger.model.attention.triton_backend import TritonAttentionBackend
+
+            self.model.attn_backend = TritonAttentionBackend()
         self.model_dtype = loaded.dtype
         self.hf_config = loaded.hf_config
         self.eos_token_ids = tuple(loaded.eos_token_ids)
@@ -127,6 +135,23 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_pool, self.host_pool, self.kv, self.device, seed=config.seed
         )
+        if (
+            self.device.type == "cuda"
+            and self.attention_backend == "triton"
+            and not config.enforce_eager
+            and self.kv_pool.overlay is None
+        ):
+            from kvledger.core.cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(
+                self.model,
+                self.kv_pool.layers,
+                sc.max_num_seqs,
+                self.max_model_len,
+                cc.block_size,
+                self.spec.num_kv_heads,
+                self.device,
+            )
         if config.swap_bandwidth:
             self.cost_model.swap_bandwidth = config.swap_bandwidth
         if config.prefill_cost:
@@ -183,11 +208,13 @@ class LLMEngine:
         budget = cc.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
-                # vLLM's gpu_memory_utilization: weights + KV within that share of the memory
-                # free at start-up (what the weights took is already gone from `free`).
+                # vLLM's gpu_memory_utilization: weights + activations (from a profiling run
+                # of the largest step) + KV within that share of the device.
+                from kvledger.core.gpu_memory import kv_cache_budget, profile
+
                 free, _ = torch.cuda.mem_get_info(self.device)
-                start = self._free_at_start or free
-                budget = int(cc.gpu_memory_utilization * start) - (start - free)
+                self.memory_profile = profile(self, self._free_at_start or free)
+                budget = kv_cache_budget(self.memory_profile, cc.gpu_memory_utilization)
             else:
                 budget = min(4 * _GiB, int(_mem_available() * 0.2))
         budget -= reserved
@@ -531,6 +558,11 @@ class LLMEngine:
             snap.sink_cache_bytes = ov.sink_cache_bytes
             snap.sink_cache_hits = ov.sink_cache_hits
             snap.sink_cache_misses = ov.sink_cache_misses
+        snap.device = str(self.device)
+        pool = self.kv_pool
+        snap.device_pool_bytes = pool.data.numel() * pool.data.element_size() + pool.overlay_bytes
+        if self.device.type == "cuda":
+            snap.device_memory = _cuda_memory(self)
         snap.preemptions = dict(self.scheduler.num_preemptions)
         snap.swapped_out_blocks = st["out_blocks"]
         snap.swapped_in_blocks = st["in_blocks"]
@@ -539,6 +571,24 @@ class LLMEngine:
         snap.swap_out_seconds = st["out_s"]
         snap.swap_in_seconds = st["in_s"]
         return snap
+
+
+def _cuda_memory(engine) -> dict:
+    """The device as torch sees it now, and the start-up profile the pool was sized from."""
+    free, total = torch.cuda.mem_get_info(engine.device)
+    d = {
+        "total": total,
+        "free": free,
+        "torch_allocated": torch.cuda.memory_allocated(engine.device),
+        "torch_reserved": torch.cuda.memory_reserved(engine.device),
+        "gpu_memory_utilization": engine.config.cache.gpu_memory_utilization,
+    }
+    prof = getattr(engine, "memory_profile", None)
+    if prof is not None:
+        d.update(
+            weights=prof.weights, peak_activation=prof.peak_activation, non_torch=prof.non_torch
+        )
+    return d
 
 
 def _maybe_tokenizer(path: str):

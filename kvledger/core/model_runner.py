@@ -64,6 +64,8 @@ class ModelRunner:
         # Quantised KV with sinks / a recent window: which full-precision overlay slot each
         # request owns (kvledger.cache.kv_quant.OverlaySlots); None for unquantised caches.
         self.overlay = None
+        # CUDA graphs of decode steps (kvledger.core.cuda_graphs), set by the engine on CUDA.
+        self.graphs = None
         if kv_pool.overlay is not None:
             from kvledger.cache.kv_quant import OverlaySlots
 
@@ -145,7 +147,11 @@ class ModelRunner:
         inp = self.prepare(so)
         if self.overlay is not None:  # quantised KV: full-precision sink / window slots
             self.overlay.annotate(inp.meta, [s.request for s in so.scheduled])
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_pool.layers)
+        hidden = None
+        if self.graphs is not None and inp.meta.is_pure_decode:
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
+        if hidden is None:
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_pool.layers)
         if self.overlay is not None:
             self.overlay.after_step(inp.meta, [s.request for s in so.scheduled])
         rows = list(inp.sample_rows)

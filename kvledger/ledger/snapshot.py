@@ -56,6 +56,12 @@ class LedgerSnapshot:
     swap_out_seconds: float = 0.0
     swap_in_seconds: float = 0.0
 
+    # The real device allocation behind the ledger (not the formula): the pool's tensors and the
+    # overlay, and on CUDA the profiled split of the device (core/gpu_memory.py).
+    device: str = "cpu"
+    device_pool_bytes: int = 0
+    device_memory: dict | None = None
+
     @property
     def total_bytes(self) -> int:
         return self.total_blocks * self.bytes_per_block

@@ -223,25 +223,60 @@ class HostKVPool(KVCachePool):
             kv_cache_dtype=device_pool.kv_cache_dtype,  # swaps move codes and scales verbatim
         )
         self.device_pool = device_pool
+        # CUDA: copies run on their own stream through pinned staging buffers, so a swap-in
+        # does not block the host and the compute stream only waits where it reads them.
+        self._stream = (
+            torch.cuda.Stream(device_pool.device) if device_pool.device.type == "cuda" else None
+        )
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks, for every (device_block, host_block)."""
         if not pairs:
             return
         src, dst = _pairs_to_index(pairs, self.device_pool.device, self.device)
+        if self._stream is not None:
+            self._swap_out_cuda(src, dst)
+            return
         for dev_layer, host_layer in zip(self.device_pool.layers, self.layers, strict=True):
             for d, h in zip(dev_layer.storage, host_layer.storage, strict=True):
                 h.index_copy_(1, dst, d.index_select(1, src).to(self.device))
+
+    def _swap_out_cuda(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Gather on the copy stream (after the compute stream's writes), device -> pinned
+        staging without blocking, then one wait before the host scatters."""
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device_pool.device))
+        staged = []
+        with torch.cuda.stream(stream):
+            for dev_layer in self.device_pool.layers:
+                for d in dev_layer.storage:
+                    g = d.index_select(1, src)
+                    buf = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+                    buf.copy_(g, non_blocking=True)
+                    staged.append(buf)
+        stream.synchronize()
+        it = iter(staged)
+        for host_layer in self.layers:
+            for h in host_layer.storage:
+                h.index_copy_(1, dst, next(it))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host blocks back to device blocks, for every (host_block, device_block)."""
         if not pairs:
             return
         src, dst = _pairs_to_index(pairs, self.device, self.device_pool.device)
-        non_blocking = self.device_pool.device.type == "cuda"
-        for dev_layer, host_layer in zip(self.device_pool.layers, self.layers, strict=True):
-            for d, h in zip(dev_layer.storage, host_layer.storage, strict=True):
-                staged = h.index_select(1, src)
-                if non_blocking:
-                    staged = staged.pin_memory()
-                d.index_copy_(1, dst, staged.to(d.device, non_blocking=non_blocking))
+        if self._stream is None:
+            for dev_layer, host_layer in zip(self.device_pool.layers, self.layers, strict=True):
+                for d, h in zip(dev_layer.storage, host_layer.storage, strict=True):
+                    d.index_copy_(1, dst, h.index_select(1, src))
+            return
+        # CUDA: host gather into pinned staging, then copy + scatter on the copy stream; the
+        # compute stream waits for it (the host does not).
+        stream, compute = self._stream, torch.cuda.current_stream(self.device_pool.device)
+        stream.wait_stream(compute)  # blocks being overwritten may still be read by queued work
+        with torch.cuda.stream(stream):
+            for dev_layer, host_layer in zip(self.device_pool.layers, self.layers, strict=True):
+                for d, h in zip(dev_layer.storage, host_layer.storage, strict=True):
+                    staged = h.index_select(1, src).pin_memory()
+                    d.index_copy_(1, dst, staged.to(d.device, non_blocking=True))
+        compute.wait_stream(stream)
