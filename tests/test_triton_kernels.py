@@ -97,8 +97,9 @@ def _step(
         meta.overlay_sink_from = [s for s, _ in overlay]
         meta.overlay_window_from = [w for _, w in overlay]
     t = qsl[-1]
-    q = torch.randn(t, heads, head_dim, generator=g).to(dtype)
-    k = torch.randn(t, heads_kv, head_dim, generator=g).to(dtype)
+    # As in the model: q and k are views of one fused row, v another tensor (other row strides).
+    qk = torch.randn(t, heads + heads_kv, head_dim, generator=g).to(dtype)
+    q, k = qk[:, :heads], qk[:, heads:]
     v = torch.randn(t, heads_kv, head_dim, generator=g).to(dtype)
     return meta, q, k, v
 
@@ -266,3 +267,22 @@ def test_decode_graph_padding_rows_change_nothing():
     )  # fmt: skip
     assert (out[:3] - ref).abs().max().item() <= 2e-5
     assert torch.equal(pools[0].data, pools[1].data)
+
+
+def test_llm_int8_kv_with_window_same_tokens_as_torch_backend(stories_path):
+    """int8 KV with 2 sinks and a 4-token window through the engine (runner's overlay slots,
+    chunked prefill, a prefix hit): the Triton backend's greedy tokens equal the torch backend's."""
+    from kvledger import LLM, SamplingParams
+
+    prompts = [list(range(5, 30)), list(range(5, 21)) + [40, 41, 42]]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(stories_path), attention_backend=backend, kv_cache_dtype="int8",
+                  kv_sink_tokens=2, kv_recent_tokens=4, max_num_batched_tokens=8,
+                  num_kv_blocks=24, max_num_seqs=4, calibrate_preemption=False)  # fmt: skip
+        first = llm.generate(prompts[:1], sp, use_tqdm=False)
+        second = llm.generate(prompts[1:], sp, use_tqdm=False)
+        assert second[0].num_cached_tokens == 16
+        outs[backend] = [o.outputs[0].token_ids for o in first + second]
+    assert outs["triton"] == outs["torch"]

@@ -20,7 +20,8 @@ from triton.compiler import ASTSource  # noqa: E402
 import kvledger.model.attention.triton_kernels as tk  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-STRIDES_ATTN = ["stride_qt", "stride_qh", "stride_nt", "stride_nh", "stride_ot", "stride_oh",
+STRIDES_ATTN = ["stride_qt", "stride_qh", "stride_nt", "stride_nh", "stride_vnt", "stride_vnh",
+                "stride_ot", "stride_oh",
                 "stride_cs", "stride_ch", "stride_ss", "stride_bt", "stride_ovr", "stride_ovh"]  # fmt: skip
 STRIDES_WRITE = ["stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cs", "stride_ch", "stride_ss"]
 

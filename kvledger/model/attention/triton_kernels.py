@@ -182,7 +182,7 @@ def _attention_kernel(
     ovk_ptr, ovv_ptr, ov_base_ptr, sink_from_ptr, window_from_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
     qk_scale, num_seqs, sinks, recent,
-    stride_qt, stride_qh, stride_nt, stride_nh, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_nt, stride_nh, stride_vnt, stride_vnh, stride_ot, stride_oh,
     stride_cs, stride_ch, stride_ss, stride_bt, stride_ovr, stride_ovh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -259,6 +259,7 @@ def _attention_kernel(
             ov_row = tl.where(n < sinks, ov_base + n, ov_base + sinks + ring).to(tl.int64)
             new_row = (q_start + n - p0).to(tl.int64)
             new_off = new_row[:, None] * stride_nt + kvh * stride_nh + d[None, :]
+            vnew_off = new_row[:, None] * stride_vnt + kvh * stride_vnh + d[None, :]
             ov_off = ov_row[:, None] * stride_ovr + kvh * stride_ovh + d[None, :]
             use_new = (avail & is_new)[:, None] & dm[None, :]
             use_ov = (avail & ~is_new)[:, None] & dm[None, :]
@@ -277,7 +278,7 @@ def _attention_kernel(
         acc = acc * alpha[:, None]
         vt = _load_rows(vc_ptr + off, kv_mask, vs_ptr + soff, n_ok, V_FMT, q_ptr.dtype.element_ty)
         if OVERLAY:
-            vf = tl.load(vn_ptr + new_off, mask=use_new, other=0.0) + tl.load(
+            vf = tl.load(vn_ptr + vnew_off, mask=use_new, other=0.0) + tl.load(
                 ovv_ptr + ov_off, mask=use_ov, other=0.0
             )
             p_full = tl.where(full, p, 0.0).to(vt.dtype)
@@ -451,7 +452,8 @@ def paged_attention(
         out3, part, ml, q, k, v, cache.k, cache.v, ks, vs, *ov,
         block_tables, seq_lens, query_start_loc,
         scale * _LOG2E, num_seqs, sinks, recent,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out3.stride(0), out3.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out3.stride(0), out3.stride(1),
         cache.k.stride(0), cache.k.stride(1),
         cache.k_scales.stride(0) if cache.k_scales is not None else 0,
         block_tables.stride(0), *ov_strides,
