@@ -104,13 +104,13 @@ def _step(
     return meta, q, k, v
 
 
-def _compare(pools, meta, q, k, v, tol, num_splits=None):
+def _compare(pools, meta, q, k, v, tol, num_splits=None, **kw):
     a, b = pools
     scale = q.shape[-1] ** -0.5
-    ref = TorchAttentionBackend().forward(q, k, v, a.layers[0], meta, scale)
+    ref = TorchAttentionBackend().forward(q, k, v, a.layers[0], meta, scale, **kw)
     tri = TritonAttentionBackend()
     tri.fixed_num_splits = num_splits
-    out = tri.forward(q, k, v, b.layers[0], meta, scale)
+    out = tri.forward(q, k, v, b.layers[0], meta, scale, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= tol, f"max |triton - torch| = {err}"
@@ -172,6 +172,18 @@ def test_quantised_overlay_sinks_and_recent_window(fmt):
     overlay = [(0, 7), (0, 15), (0, 0), (2, 17)]
     meta, q, k, v = _step(reqs, pools, 4, 2, 16, torch.float32, seed=11, overlay=overlay)
     _compare(pools, meta, q, k, v, 2e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_sliding_window_and_softcap(num_splits):
+    """Sliding-window layers (keys p - window < j <= p; blocks wholly before the window are
+    never read: their table entries here point past the pool) and Gemma 2's score softcap."""
+    pools = _pools("auto", torch.float32, 2, 16, 16, 16)
+    reqs = [(20, 6), (40, 1), (0, 9), (35, 3)]
+    meta, q, k, v = _step(reqs, pools, 4, 2, 16, torch.float32, seed=13)
+    meta.block_tables[1, 0] = 10**6  # request 1 sees keys 35..40 only: block 0 is gone
+    meta.block_tables[3, 0] = 10**6  # request 3's queries 35..37 see keys >= 31
+    _compare(pools, meta, q, k, v, 2e-5, num_splits=num_splits, window=5, softcap=2.0)
 
 
 def test_write_codes_match_torch_quantize_on_ties():

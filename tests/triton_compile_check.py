@@ -38,7 +38,9 @@ def _compile(fn, sig: dict, consts: dict, name: str) -> bool:
     return True
 
 
-def attention(dt: str, d: int, kfmt: int, vfmt: int, ov: bool, splits: int, block_m: int) -> bool:
+def attention(
+    dt: str, d: int, kfmt: int, vfmt: int, ov: bool, splits: int, block_m: int, win: bool = False
+) -> bool:
     cdt = {0: dt, 1: "i8", 2: "u8"}
     sig = {
         "out_ptr": f"*{dt}", "part_ptr": "*fp32", "ml_ptr": "*fp32",
@@ -47,13 +49,16 @@ def attention(dt: str, d: int, kfmt: int, vfmt: int, ov: bool, splits: int, bloc
         "ovk_ptr": f"*{dt}", "ovv_ptr": f"*{dt}",
         "ov_base_ptr": "*i32", "sink_from_ptr": "*i32", "window_from_ptr": "*i32",
         "block_tables_ptr": "*i64", "seq_lens_ptr": "*i64", "qsl_ptr": "*i64",
-        "qk_scale": "fp32", "num_seqs": "i32", "sinks": "i32", "recent": "i32",
+        "scale": "fp32", "num_seqs": "i32", "sinks": "i32", "recent": "i32",
+        "window": "i32", "softcap": "fp32",
         **{s: "i32" for s in STRIDES_ATTN},
     }  # fmt: skip
     consts = dict(GROUP=4, BLOCK_M=block_m, BLOCK_Q=block_m // 4, HEAD_DIM=d, HEAD_PAD=d,
                   TILE_N=64, BLOCK_SIZE=16, K_FMT=kfmt, V_FMT=vfmt, OVERLAY=ov,
-                  NUM_SPLITS=splits, IEEE=dt == "fp32", UPCAST=False)  # fmt: skip
+                  NUM_SPLITS=splits, IEEE=dt == "fp32", UPCAST=False,
+                  HAS_WINDOW=win, HAS_SOFTCAP=win)  # fmt: skip
     name = f"attention {dt} d{d} formats {kfmt}/{vfmt} overlay={ov} splits={splits} BLOCK_M={block_m}"
+    name += " window+softcap" if win else ""
     return _compile(tk._attention_kernel, sig, consts, name)
 
 
@@ -76,7 +81,7 @@ def main() -> int:
     if "--all" in sys.argv:
         for case in [("bf16", 128, 0, 0, False, 1, 64), ("fp16", 256, 0, 0, False, 4, 16),
                      ("bf16", 128, 1, 1, True, 1, 64), ("bf16", 128, 2, 1, True, 4, 16),
-                     ("fp32", 64, 0, 0, False, 1, 16)]:  # fmt: skip
+                     ("fp32", 64, 0, 0, False, 1, 16), ("bf16", 256, 0, 0, False, 2, 64, True)]:  # fmt: skip
             ok &= attention(*case)
         ok &= write_kv("bf16", 0, 0) and write_kv("fp16", 1, 1)
     return 0 if ok else 1

@@ -94,7 +94,10 @@ class TritonAttentionBackend:
         layer_cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        """See AttentionBackend.forward (window: sliding-window layers; softcap: Gemma 2)."""
         kern = self.kernels
         cache = kern.CacheView.of(layer_cache)
         step = self._get_step(meta, layer_cache, k.shape[1])
@@ -111,6 +114,8 @@ class TritonAttentionBackend:
             meta.max_query_len,
             num_splits=step.num_splits,
             overlay=step.overlay,
+            window=window,
+            softcap=softcap,
         )
         if step.overlay_dst is not None:
             # After attention: a chunk's window reads ring rows that this write reuses.

@@ -40,7 +40,6 @@ import triton.language as tl
 # Element formats of a cache side (constexpr selectors inside the kernels).
 FMT_PLAIN, FMT_INT8, FMT_FP8 = 0, 1, 2
 _FMT = {"int8": FMT_INT8, "fp8": FMT_FP8}
-_LOG2E = 1.4426950408889634
 
 
 def interpreted() -> bool:
@@ -181,7 +180,7 @@ def _attention_kernel(
     kc_ptr, vc_ptr, ks_ptr, vs_ptr,
     ovk_ptr, ovv_ptr, ov_base_ptr, sink_from_ptr, window_from_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    qk_scale, num_seqs, sinks, recent,
+    scale, num_seqs, sinks, recent, window, softcap,
     stride_qt, stride_qh, stride_nt, stride_nh, stride_vnt, stride_vnh, stride_ot, stride_oh,
     stride_cs, stride_ch, stride_ss, stride_bt, stride_ovr, stride_ovh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -189,6 +188,7 @@ def _attention_kernel(
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr, OVERLAY: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -226,8 +226,12 @@ def _attention_kernel(
     )
     kv_end = p0 + tl.minimum(qb * BLOCK_Q + BLOCK_Q, q_len)  # causal: keys < kv_end
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    t_lo = split * per_split
+    kv_start = kv_end * 0  # sliding window: no key below the tile's first query's window
+    if HAS_WINDOW:
+        kv_start = tl.maximum(p0 + qb * BLOCK_Q - window + 1, 0)
+    first_tile = kv_start // TILE_N
+    per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    t_lo = first_tile + split * per_split
     t_hi = tl.minimum(t_lo + per_split, num_tiles)
 
     if OVERLAY:
@@ -240,7 +244,7 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     for t in range(t_lo, t_hi):
         n = t * TILE_N + tl.arange(0, TILE_N)
-        n_ok = n < kv_end
+        n_ok = (n < kv_end) & (n >= kv_start)  # blocks outside a window may be gone: not read
         blk = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
         slot = blk.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
         kv_mask = n_ok[:, None] & dm[None, :]
@@ -269,8 +273,14 @@ def _attention_kernel(
             s_full = _dot(q, tl.trans(kf), IEEE, UPCAST)
             full = avail[None, :] & ((n[None, :] < sinks) | (qpos[:, None] - n[None, :] < recent))
             s = tl.where(full, s_full, s)
-        s = s * qk_scale
-        s = tl.where(n_ok[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
+        s = s * scale
+        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), before the mask (Gemma 2)
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+        s = s * 1.4426950408889634  # log2(e): exp2 below
+        visible = n_ok[None, :] & (n[None, :] <= qpos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > qpos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -414,6 +424,8 @@ def paged_attention(
     overlay: Overlay | None = None,
     tile_n: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] over each request's cached context (k/v [T, K, D] already written; read here
     only for overlay rows) -> out [T, H * D] in q's dtype."""
@@ -451,7 +463,7 @@ def paged_attention(
     _attention_kernel[grid](
         out3, part, ml, q, k, v, cache.k, cache.v, ks, vs, *ov,
         block_tables, seq_lens, query_start_loc,
-        scale * _LOG2E, num_seqs, sinks, recent,
+        scale, num_seqs, sinks, recent, window or 0, softcap or 0.0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out3.stride(0), out3.stride(1),
         cache.k.stride(0), cache.k.stride(1),
@@ -462,6 +474,7 @@ def paged_attention(
         K_FMT=cache.k_fmt, V_FMT=cache.v_fmt, OVERLAY=overlay is not None,
         NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
         UPCAST=q.dtype == torch.bfloat16 and interpreted(),
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         num_warps=8 if block_m * head_pad >= 64 * 128 else 4,
     )  # fmt: skip
     if num_splits > 1:
