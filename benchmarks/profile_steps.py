@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--workload", type=Path, default=BENCH_OUT / "vs_vllm_cpu" / "workload.json")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_int8"])
     ap.add_argument("--torch-profiler", action="store_true")
     ap.add_argument("--split", action="store_true", help="wall time inside each part, per step kind")
     a = ap.parse_args()
@@ -42,7 +44,10 @@ def main() -> int:
     from kvledger import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=str(a.model), dtype="float32", block_size=a.block_size)
+    llm = LLM(
+        model=str(a.model), dtype=a.dtype, block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype
+    )
+    print(f"dtype {a.dtype}, kv_cache_dtype {a.kv_cache_dtype}")
     print(f"start-up {time.perf_counter() - t0:.2f} s")
     wl = json.loads(a.workload.read_text())
     prompts = [r["prompt_token_ids"] for r in wl]

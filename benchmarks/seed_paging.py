@@ -69,11 +69,12 @@ def _timeit(fns: dict, reps: int, flush: torch.Tensor) -> dict[str, float]:
 
 def _native_variants(q, kv, scattered, runs, lens, scale) -> dict:
     kc, vc = kv[0], kv[1]
+    cache = PagedKVCache(kv)
     rows = torch.arange(q.shape[0], dtype=torch.int64)
     out = torch.empty(q.shape[0], HEADS * HEAD_DIM)
     return {
-        "paged": lambda: native.paged_decode(q, kc, vc, scattered, lens, rows, out, scale),
-        "paged_contig_layout": lambda: native.paged_decode(q, kc, vc, runs, lens, rows, out, scale),
+        "paged": lambda: native.paged_decode(q, cache, scattered, lens, rows, out, scale),
+        "paged_contig_layout": lambda: native.paged_decode(q, cache, runs, lens, rows, out, scale),
         "contiguous": lambda: C.contig_decode(q, kc, vc, runs, lens, rows, out, scale, check=False),
     }
 
@@ -171,7 +172,9 @@ class _ContigNative:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale):
+    def __call__(self, q, layer_cache, block_tables, seq_lens, rows, out, scale, fp_spans=None, k=None, v=None):
+        assert fp_spans is None, "the contiguous variant runs unquantised caches only"
+        k_cache, v_cache = layer_cache.k, layer_cache.v
         if self.calls % 64 == 0 and not C.contiguous_runs(block_tables, seq_lens, k_cache.shape[1]):
             raise RuntimeError("contiguous variant given a non-contiguous block table")
         self.calls += 1

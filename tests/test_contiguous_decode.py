@@ -39,14 +39,14 @@ def test_native_contiguous_equals_paged_bit_for_bit(bs, lens, heads):
     rows = torch.arange(len(lens), dtype=torch.int64)
     scale = 64**-0.5
     paged = torch.empty(len(lens), heads[0] * 64)
-    native.paged_decode(q, kv[0], kv[1], tables, seq_lens, rows, paged, scale)
+    native.paged_decode(q, PagedKVCache(kv), tables, seq_lens, rows, paged, scale)
     ref = torch.empty_like(paged)
     C.contig_decode(q, contig[0], contig[1], first, seq_lens, rows, ref, scale)
     assert torch.equal(paged, ref)
     # the paged kernel over the contiguous layout (identity table): same again
     ident = first[:, None] + torch.arange(mb)[None, :]
     same = torch.empty_like(paged)
-    native.paged_decode(q, contig[0], contig[1], ident, seq_lens, rows, same, scale)
+    native.paged_decode(q, PagedKVCache(contig), ident, seq_lens, rows, same, scale)
     assert torch.equal(same, ref)
     # and both are attention: against a dense float64 softmax
     for b, n in enumerate(lens):

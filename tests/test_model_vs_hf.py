@@ -317,8 +317,9 @@ def test_layer_cache_write_then_read_through_block_table():
 
 def test_packed_linears_cover_every_matmul_and_match_plain_ones(tmp_path):
     """CPU float32 loads pack every matmul weight (a tied LM head too) for oneDNN; packed and
-    plain products agree to float32 rounding, bias included; other dtypes stay unpacked."""
-    from kvledger.model.layers import can_pack_linear
+    plain products agree to float32 rounding, bias included. bfloat16 is packed where oneDNN
+    runs bf16 natively and takes the native few-row GEMM; float16 stays unpacked."""
+    from kvledger.model.layers import _onednn_bf16, can_pack_linear
 
     cfg = tiny_config("qwen2")  # q/k/v biases
     cfg.tie_word_embeddings = True
@@ -337,8 +338,14 @@ def test_packed_linears_cover_every_matmul_and_match_plain_ones(tmp_path):
     assert qkv.bias is not None
     torch.testing.assert_close(qkv(x), torch.nn.functional.linear(x, qkv.weight, qkv.bias), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed.model.compute_logits(x), plain.model.compute_logits(x), atol=1e-5, rtol=1e-5)
-    assert load_model(tmp_path, dtype="bfloat16").model.model.layers[0].mlp.down_proj.packed is None
-    assert not can_pack_linear(torch.bfloat16, torch.device("cpu"))
+    bf16 = load_model(tmp_path, dtype="bfloat16").model.model.layers[0].self_attn.qkv_proj
+    assert (bf16.packed is not None) == _onednn_bf16()
+    assert bf16.native_small == (native.library() is not None)
+    xb = x.bfloat16()
+    for rows in (xb[:3], torch.cat([xb] * 3)):  # the native few-row GEMM, then oneDNN / torch
+        torch.testing.assert_close(bf16(rows), torch.nn.functional.linear(rows, bf16.weight, bf16.bias), atol=2e-2, rtol=2e-2)
+    assert load_model(tmp_path, dtype="float16").model.model.layers[0].mlp.down_proj.packed is None
+    assert not can_pack_linear(torch.float16, torch.device("cpu"))
 
 
 def test_decode_groups_bound_padding_and_bytes(monkeypatch):

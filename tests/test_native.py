@@ -1,6 +1,9 @@
 """The native CPU kernels (kvledger/model/csrc) against float64 references, plus the
 properties the engine relies on: a row's result does not depend on the batch around it, and
-everything falls back to torch when the kernels cannot be built."""
+everything falls back to torch when the kernels cannot be built.
+
+Kernel tests run once per instruction set this CPU runs (the ``isa`` fixture forces each
+through KVLEDGER_NATIVE_ISA): an AVX-512 machine tests its own path and the AVX2 one."""
 
 from __future__ import annotations
 
@@ -12,18 +15,33 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvledger.cache import kv_quant
 from kvledger.model import native
+from kvledger.model.kv_cache import KVCachePool, PagedKVCache
 
 needs_native = pytest.mark.skipif(
     native.library() is None, reason="native kernels unavailable here (no C compiler or no AVX2)"
 )
 
 
+@pytest.fixture(params=native.cpu_isas() or ["none"])
+def isa(request, monkeypatch):
+    """Run the test with the kernels built for one instruction set."""
+    if request.param == "none" or native.library() is None:
+        pytest.skip("native kernels unavailable here")
+    monkeypatch.setenv(native.ISA_ENV, request.param)
+    native.library.cache_clear()
+    assert native.library().isa == request.param
+    yield request.param
+    monkeypatch.undo()
+    native.library.cache_clear()
+
+
 @needs_native
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 13, 16])
 @pytest.mark.parametrize(("n", "k"), [(1, 8), (37, 64), (600, 24), (130, 1040)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_gemm_matches_float64(m, n, k, bias):
+def test_small_gemm_matches_float64(isa, m, n, k, bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -34,7 +52,7 @@ def test_small_gemm_matches_float64(m, n, k, bias):
 
 
 @needs_native
-def test_small_gemm_rows_are_batch_invariant():
+def test_small_gemm_rows_are_batch_invariant(isa):
     """Each output row is the same dot products in the same order whatever M is: a request's
     logits do not change with the number of requests decoding beside it."""
     g = torch.Generator().manual_seed(0)
@@ -51,10 +69,22 @@ def test_small_gemm_rejects_unsupported_shapes():
         native.small_gemm(torch.randn(2, 12), torch.randn(4, 12), None)
 
 
-def _paged(num_blocks, block_size, num_kv_heads, head_dim, seed):
+def _paged(num_blocks, block_size, num_kv_heads, head_dim, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    return kv[0], kv[1], g
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    return PagedKVCache(kv), g
+
+
+def _quantised(fmt, num_blocks, block_size, num_kv_heads, head_dim, seed, dtype=torch.float32):
+    """A quantised layer cache filled with random K/V (outlier rows included) through write()."""
+    pool = KVCachePool(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype=fmt)
+    layer = pool.layers[0]
+    g = torch.Generator().manual_seed(seed)
+    n = num_blocks * block_size
+    k = torch.randn(n, num_kv_heads, head_dim, generator=g) * torch.rand(n, num_kv_heads, 1, generator=g) * 8
+    v = torch.randn(n, num_kv_heads, head_dim, generator=g)
+    layer.write(k.to(dtype), v.to(dtype), torch.arange(n))
+    return pool, layer, g
 
 
 def _tables(lens, block_size, num_blocks, g):
@@ -69,15 +99,29 @@ def _tables(lens, block_size, num_blocks, g):
     return tables
 
 
-def _reference(q, k, v, tables, lens, rows, scale):
+def _dense(layer):
+    """The cache's K and V as float64 [num_blocks, block_size, Hkv, D] (dequantised)."""
+    if getattr(layer, "quantized", False):
+        all_blocks = torch.arange(layer.k_codes.shape[0])
+        k, v = layer.read(all_blocks)  # kv_quant.dequantize, in the model dtype
+        k = kv_quant.dequantize(layer.k_codes, layer.k_scales, layer.k_fmt)
+        v = kv_quant.dequantize(layer.v_codes, layer.v_scales, layer.v_fmt)
+        return k.double(), v.double()
+    return layer.k.double(), layer.v.double()
+
+
+def _reference(q, k, v, tables, lens, rows, scale, subst=None):
+    """Float64 attention; subst(b, kc, vc) may replace context rows (the overlay's rule)."""
     num_kv_heads, head_dim = k.shape[2], k.shape[3]
     out = []
     for b, n in enumerate(lens):
-        kc = k[tables[b]].flatten(0, 1)[:n].transpose(0, 1).double()  # [K, n, D]
-        vc = v[tables[b]].flatten(0, 1)[:n].transpose(0, 1).double()
+        kc = k[tables[b]].flatten(0, 1)[:n].clone()  # [n, K, D]
+        vc = v[tables[b]].flatten(0, 1)[:n].clone()
+        if subst is not None:
+            subst(b, kc, vc)
         qb = q[rows[b]].double().view(num_kv_heads, -1, head_dim)  # [K, G, D]
-        p = torch.softmax(qb @ kc.transpose(1, 2) * scale, dim=-1)
-        out.append((p @ vc).reshape(-1))
+        p = torch.softmax(qb @ kc.permute(1, 2, 0) * scale, dim=-1)
+        out.append((p @ vc.transpose(0, 1)).reshape(-1))
     return torch.stack(out)
 
 
@@ -88,12 +132,15 @@ def _reference(q, k, v, tables, lens, rows, scale):
         (8, 2, 64, 16),  # specialised G=4, D=64
         (4, 4, 128, 4),  # G=1, D=128
         (16, 2, 64, 1),  # G=8, one token per block
-        (6, 2, 24, 16),  # generic G=3, D=24
+        (6, 2, 48, 16),  # generic D=48, G=3 (passes of 2 + 1 heads)
+        (6, 2, 24, 4),  # D=24: a partial (masked) vector with AVX-512
+        (4, 2, 8, 4),  # D=8, as the tiny HF-oracle models
         (4, 1, 16, 5),  # generic, block size not a power of two
     ],
 )
-def test_paged_decode_matches_float64_softmax(heads, kv_heads, head_dim, block_size):
-    k, v, g = _paged(64, block_size, kv_heads, head_dim, seed=heads + head_dim)
+def test_paged_decode_matches_float64_softmax(isa, heads, kv_heads, head_dim, block_size):
+    cache, g = _paged(64, block_size, kv_heads, head_dim, seed=heads + head_dim)
+    k, v = cache.k, cache.v
     lens = [1, block_size, block_size + 1, 3 * block_size, 57, 9]
     lens = [min(n, 64 * block_size // len(lens)) for n in lens]
     tables = _tables(lens, block_size, 64, g)
@@ -102,8 +149,8 @@ def test_paged_decode_matches_float64_softmax(heads, kv_heads, head_dim, block_s
     q = torch.randn(num_tokens, heads, head_dim, generator=g)
     out = torch.full((num_tokens, heads * head_dim), float("nan"))
     scale = 1 / math.sqrt(head_dim)
-    native.paged_decode(q, k, v, tables, torch.tensor(lens), rows, out, scale)
-    ref = _reference(q, k, v, tables, lens, rows, scale)
+    native.paged_decode(q, cache, tables, torch.tensor(lens), rows, out, scale)
+    ref = _reference(q, k.double(), v.double(), tables, lens, rows, scale)
     torch.testing.assert_close(out[rows].double(), ref, atol=2e-6, rtol=1e-5)
     untouched = sorted(set(range(num_tokens)) - set(rows.tolist()))
     assert out[untouched].isnan().all(), "rows of other requests must not be written"
@@ -117,34 +164,156 @@ def test_paged_decode_matches_float64_softmax(heads, kv_heads, head_dim, block_s
 
 
 @needs_native
-def test_paged_decode_is_batch_invariant():
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8", "fp8_int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_reads_bf16_and_quantised_caches_in_place(isa, fmt, dtype):
+    """bf16 caches and int8/fp8 codes with per-token-head scales: the kernel's output is the
+    attention over the dequantised cache (float64 reference), read without a dequantised copy."""
+    heads, kv_heads, head_dim, bs = 8, 2, 64, 16
+    if fmt == "bf16":
+        if dtype != torch.bfloat16:
+            pytest.skip("an unquantised cache is in the model dtype")
+        cache, g = _paged(48, bs, kv_heads, head_dim, seed=7, dtype=dtype)
+    else:
+        _, cache, g = _quantised(fmt, 48, bs, kv_heads, head_dim, seed=7, dtype=dtype)
+    assert native.can_paged_decode(cache, heads, dtype)
+    k, v = _dense(cache)
+    lens = [1, 17, 300, 64, 5]
+    tables = _tables(lens, bs, 48, g)
+    rows = torch.tensor([2, 0, 4, 1, 3])
+    q = (torch.randn(5, heads, head_dim, generator=g) * 2).to(dtype)
+    out = torch.zeros(5, heads * head_dim, dtype=dtype)
+    native.paged_decode(q, cache, tables, torch.tensor(lens), rows, out, 0.125)
+    ref = _reference(q, k, v, tables, lens, rows, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
+    torch.testing.assert_close(out[rows].double(), ref, atol=tol, rtol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_one_token_context_gives_the_dequantised_value_exactly(isa, fmt):
+    """softmax over one key is 1, so the output is that token's V exactly as kv_quant
+    dequantises it: every int8 / e4m3 code (e4m3 subnormals included) converts exactly."""
+    d = 256
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if fmt == "fp8":
+        codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn has no inf; 0x7f / 0xff are NaN
+    else:
+        codes = codes.view(torch.int8)[codes.view(torch.int8) != -128]  # int8 codes are +-127
+    codes = codes.repeat(3)[: 2 * d].view(2, 1, 1, d)  # every code, in two tokens
+    pool = KVCachePool(1, 2, 1, 1, d, torch.float32, kv_cache_dtype=fmt)
+    layer = pool.layers[0]
+    layer.v_codes.copy_(codes.view(layer.v_codes.dtype))
+    layer.v_scales.copy_(torch.tensor([0.5, 3e-3], dtype=torch.float16).view(2, 1, 1))
+    layer.k_scales.fill_(1.0)
+    out = torch.empty(2, d)
+    q = torch.randn(2, 1, d)
+    native.paged_decode(q, layer, torch.tensor([[0], [1]]), torch.tensor([1, 1]), torch.arange(2), out, 1.0)
+    expected = kv_quant.dequantize(layer.v_codes, layer.v_scales, fmt).view(2, d)
+    assert torch.equal(out, expected)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_substitutes_the_full_precision_overlay(isa, dtype):
+    """fp_spans: sink positions from the overlay slot, window positions from its ring, the
+    query's own position from this step's k/v; everything else from the codes."""
+    S, R, bs, kv_heads, head_dim = 2, 4, 8, 2, 64
+    pool, layer, g = _quantised("int8", 32, bs, kv_heads, head_dim, seed=11, dtype=dtype)
+    pool.sink_tokens, pool.recent_tokens = S, R
+    layer.sink_tokens, layer.recent_tokens = S, R
+    pool.grow_overlay(3)
+    layer.overlay_k.copy_(torch.randn(layer.overlay_k.shape, generator=g).to(dtype))
+    layer.overlay_v.copy_(torch.randn(layer.overlay_v.shape, generator=g).to(dtype))
+    k, v = _dense(layer)
+    lens = [40, 3, 9]
+    tables = _tables(lens, bs, 32, g)
+    # (slot, sink_lo, sink_hi, win_lo, self): a long context; one still inside its sinks
+    # (R = 0 style: own token from k); one whose window starts later (resumed request).
+    spans = torch.tensor([[0, 0, 2, 36, 1], [6, 0, 2, 2, 1], [12, 1, 2, 7, 1]])
+    k_new = torch.randn(3, kv_heads, head_dim, generator=g).to(dtype)
+    v_new = torch.randn(3, kv_heads, head_dim, generator=g).to(dtype)
+
+    def subst(b, kc, vc):
+        base, lo, hi, w_lo, own = spans[b].tolist()
+        p0 = lens[b] - 1
+        for p in range(lo, min(hi, p0)):
+            kc[p], vc[p] = layer.overlay_k[base + p].double(), layer.overlay_v[base + p].double()
+        for p in range(max(w_lo, hi), p0):
+            r = base + S + p % R
+            kc[p], vc[p] = layer.overlay_k[r].double(), layer.overlay_v[r].double()
+        if own:
+            kc[p0], vc[p0] = k_new[b].double(), v_new[b].double()
+
+    q = torch.randn(3, 8, head_dim, generator=g).to(dtype)
+    out = torch.zeros(3, 8 * head_dim, dtype=dtype)
+    rows = torch.arange(3)
+    native.paged_decode(q, layer, tables, torch.tensor(lens), rows, out, 0.125, spans, k_new, v_new)
+    ref = _reference(q, k, v, tables, lens, rows, 0.125, subst)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["auto", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_is_batch_invariant(isa, fmt, dtype):
     """A request's attention output is bit-identical alone or among others."""
-    k, v, g = _paged(128, 16, 2, 64, seed=3)
+    if fmt == "auto":
+        cache, g = _paged(128, 16, 2, 64, seed=3, dtype=dtype)
+    else:
+        _, cache, g = _quantised(fmt, 128, 16, 2, 64, seed=3, dtype=dtype)
     lens = [700, 33, 250, 1, 96]
     tables = _tables(lens, 16, 128, g)
-    q = torch.randn(len(lens), 8, 64, generator=g)
+    q = torch.randn(len(lens), 8, 64, generator=g).to(dtype)
     rows = torch.arange(len(lens))
-    out = torch.empty(len(lens), 512)
-    native.paged_decode(q, k, v, tables, torch.tensor(lens), rows, out, 0.125)
+    out = torch.empty(len(lens), 512, dtype=dtype)
+    native.paged_decode(q, cache, tables, torch.tensor(lens), rows, out, 0.125)
     for b in range(len(lens)):
-        one = torch.empty(1, 512)
+        one = torch.empty(1, 512, dtype=dtype)
         native.paged_decode(
-            q[b : b + 1], k, v, tables[b : b + 1].contiguous(), torch.tensor([lens[b]]),
+            q[b : b + 1], cache, tables[b : b + 1].contiguous(), torch.tensor([lens[b]]),
             torch.tensor([0]), one, 0.125,
         )
         assert torch.equal(one[0], out[b])
 
 
 def test_can_paged_decode_only_for_supported_caches():
-    k = torch.zeros(4, 16, 2, 64)
+    cache = PagedKVCache(torch.zeros(2, 4, 16, 2, 64))
     if native.library() is None:
-        assert not native.can_paged_decode(k, 8)
+        assert not native.can_paged_decode(cache, 8, torch.float32)
         return
-    assert native.can_paged_decode(k, 8)
-    assert not native.can_paged_decode(k.to(torch.bfloat16), 8)
-    assert not native.can_paged_decode(torch.zeros(4, 16, 2, 12), 8)  # head_dim % 8
-    assert not native.can_paged_decode(k, 7)  # heads not a multiple of kv heads
-    assert not native.can_paged_decode(k, 64)  # 32 query heads per KV head
+    assert native.can_paged_decode(cache, 8, torch.float32)
+    assert not native.can_paged_decode(cache, 8, torch.bfloat16)  # queries in another dtype
+    assert native.can_paged_decode(PagedKVCache(torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)), 8, torch.bfloat16)
+    assert not native.can_paged_decode(PagedKVCache(torch.zeros(2, 4, 16, 2, 64, dtype=torch.float16)), 8, torch.float16)
+    assert not native.can_paged_decode(PagedKVCache(torch.zeros(2, 4, 16, 2, 12)), 8, torch.float32)  # head_dim
+    assert not native.can_paged_decode(cache, 7, torch.float32)  # heads not a multiple of kv heads
+    assert not native.can_paged_decode(cache, 64, torch.float32)  # 32 query heads per KV head
+    _, quantised, _ = _quantised("fp8_int8", 4, 16, 2, 64, seed=0)
+    assert native.can_paged_decode(quantised, 8, torch.float32)
+
+
+@needs_native
+def test_isa_is_chosen_from_the_cpu_and_can_be_forced(monkeypatch, caplog):
+    isas = native.cpu_isas()
+    try:
+        monkeypatch.delenv(native.ISA_ENV, raising=False)
+        assert native.selected_isa() == isas[0]  # the best this CPU runs
+        monkeypatch.setenv(native.ISA_ENV, "torch")
+        native.library.cache_clear()
+        assert native.library() is None
+        monkeypatch.setenv(native.ISA_ENV, "avx9000")
+        with pytest.raises(ValueError, match="KVLEDGER_NATIVE_ISA='avx9000'"):
+            native.selected_isa()
+        if "avx512" not in isas:  # an AVX2-only machine asked for AVX-512: its best, and a warning
+            monkeypatch.setenv(native.ISA_ENV, "avx512")
+            with caplog.at_level("WARNING", logger="kvledger"):
+                assert native.selected_isa() == isas[0]
+            assert "lacks it" in caplog.text
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
 
 
 def test_build_failures_fall_back_to_torch(tmp_path, monkeypatch, caplog):
@@ -183,7 +352,7 @@ def test_build_is_cached_per_source(tmp_path):
 
 @needs_native
 @pytest.mark.parametrize("rows", [1, 5, 300])
-def test_rope_in_place_is_bit_identical_to_the_torch_path(rows):
+def test_rope_in_place_is_bit_identical_to_the_torch_path(isa, rows):
     """In place inside a fused qkv row (strided), q and k heads rotated, v untouched."""
     from kvledger.model.layers import RotaryEmbedding, apply_rotary
 
@@ -203,7 +372,7 @@ def test_rope_in_place_is_bit_identical_to_the_torch_path(rows):
 
 @needs_native
 @pytest.mark.parametrize("shape", [(1, 64), (7, 512), (3, 4, 16), (600, 256)])
-def test_rms_norm_matches_hf_composite(shape):
+def test_rms_norm_matches_hf_composite(isa, shape):
     g = torch.Generator().manual_seed(shape[0])
     x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
     ref = w.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6))
@@ -215,7 +384,7 @@ def test_rms_norm_matches_hf_composite(shape):
 
 @needs_native
 @pytest.mark.parametrize("rows", [1, 6, 2048])
-def test_silu_mul_matches_torch(rows):
+def test_silu_mul_matches_torch(isa, rows):
     g = torch.Generator().manual_seed(rows)
     gate_up = torch.randn(rows, 2 * 96, generator=g) * 6
     gate_up[0, :3] = torch.tensor([-120.0, 0.0, 95.0])  # exp under/overflow of the other sign
@@ -224,3 +393,84 @@ def test_silu_mul_matches_torch(rows):
     torch.testing.assert_close(got, F.silu(gate) * up, atol=1e-6, rtol=2e-6)
     ref = (gate.double() / (1 + torch.exp(-gate.double()))) * up.double()
     torch.testing.assert_close(got.double(), ref, atol=1e-6, rtol=2e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (600, 24), (130, 1040)])
+def test_small_gemm_bf16_accumulates_in_float32(isa, m, n, k):
+    """bf16 x and W, float32 accumulation, one rounding to bf16 at the end (+ bias in float32)."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    got = native.small_gemm(x, w, b)
+    ref = x.double() @ w.double().T + b.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    # one bf16 rounding (2^-9 relative) over a float32 sum
+    torch.testing.assert_close(got.double(), ref, atol=1e-5 * math.sqrt(k), rtol=2.0**-8)
+    rows = native.small_gemm(x[m - 1 :], w, b)  # a row alone: the same bits
+    assert torch.equal(rows[0], got[m - 1])
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 300])
+def test_bf16_rope_and_silu_are_bit_identical_to_the_torch_bf16_path(isa, rows):
+    """The torch bf16 path rounds each product and sum to bf16; so do the native twins."""
+    from kvledger.model.layers import RotaryEmbedding, apply_rotary
+
+    rot = RotaryEmbedding(64, 4096, 10000.0)
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, 12 * 64, generator=g).bfloat16()
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    cos, sin = rot(positions, torch.bfloat16)
+    qk = qkv[:, : 10 * 64].view(rows, 10, 64)
+    expected = apply_rotary(qk, cos, sin)
+    native.rope_(qkv, 10, 64, positions, rot.cos_cache, rot.sin_cache)
+    assert torch.equal(qk, expected)
+
+    gate_up = (torch.randn(rows, 2 * 96, generator=g) * 4).bfloat16()
+    gate, up = gate_up.split(96, dim=-1)
+    got = native.silu_mul(gate_up)
+    ref = F.silu(gate) * up
+    # exp is a ~1-ulp polynomial (torch: Sleef): silu may land one bf16 step away, rarely
+    close = (got.float() - ref.float()).abs() <= ref.float().abs() * 2.0**-7
+    assert close.all() and (got == ref).float().mean() > 0.99
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 64), (600, 256)])
+def test_bf16_rms_norm_matches_hf_composite(isa, shape):
+    from kvledger.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(shape[0])
+    norm = RMSNorm(shape[-1], 1e-6)
+    norm.weight.data = torch.randn(shape[-1], generator=g).bfloat16()
+    x = (torch.randn(*shape, generator=g) * 3).bfloat16()
+    xf = x.float()
+    hf = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    got = native.rms_norm(x, norm.weight, 1e-6)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), hf.float(), atol=0, rtol=2.0**-7)  # last-bit of the sum
+    assert (got == hf).float().mean() > 0.98
+
+
+@needs_native
+def test_bf16_request_alone_is_bit_identical_to_the_same_request_in_a_full_batch(stories_path):
+    """bfloat16 end to end (native GEMM, RMSNorm, RoPE, SiLU and paged decode in bf16): every
+    request's tokens and log-probabilities are the same bits alone as among 24 (decode steps of
+    more than 16 rows, mixed prefill + decode steps). The prefix cache is off: a hit changes
+    how a prompt is chunked (cached context + the rest vs one causal chunk), which moves bf16
+    bits (not float32 tokens) whatever the batch."""
+    from test_engine_batching import mixed_workload
+
+    from kvledger import LLM, SamplingParams
+
+    prompts, params = mixed_workload(24, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=sp.max_tokens + 16, ignore_eos=True, logprobs=0) for sp in params]
+    llm = LLM(str(stories_path), dtype="bfloat16", calibrate_preemption=False, enable_prefix_caching=False)
+    assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.native_small
+    alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0] for p, sp in zip(prompts, params)]
+    batch = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in batch] == [o.token_ids for o in alone]
+    assert [o.cumulative_logprob for o in batch] == [o.cumulative_logprob for o in alone]
+    assert llm.ledger().used_blocks == 0

@@ -6,6 +6,7 @@ operations and its dtypes (RMSNorm in float32, RoPE tables in float32, rotate-ha
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -33,22 +34,27 @@ class Linear(nn.Module):
         self.native_small = False  # few-row products use kvledger's own kernel, see pack()
 
     def pack(self) -> None:
-        """Reorder the weight once into oneDNN's blocked layout (CPU, float32).
+        """Prepare the weight for the CPU's fast paths (float32 or bfloat16).
 
         Decode steps multiply a handful of rows by every weight, so they stream weights
         from memory; on the plain row-major layout MKL's small-M GEMM reaches only a fraction
-        of memory bandwidth (3-25 GFLOP/s here), the packed layout 1.5-2.5x that
-        (docs/benchmarks.md, issue 7). Same float32 math, different summation order.
+        of memory bandwidth (3-25 GFLOP/s here), oneDNN's blocked layout 1.5-2.5x that
+        (docs/benchmarks.md, issue 7). Same math, different summation order. The weight is
+        reordered into that layout once (float32, and bfloat16 where oneDNN has native bf16).
 
         Products of at most SMALL_GEMM_MAX_ROWS rows (decode steps) go to native.small_gemm
         instead when it is available: it streams the plain row-major weight near memory
-        bandwidth, faster still than the packed GEMM at those sizes.
+        bandwidth, faster still than the packed GEMM at those sizes (in bfloat16 it streams
+        half the bytes and accumulates in float32).
         """
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+        dt = self.weight.dtype
+        if dt == torch.float32 or (dt == torch.bfloat16 and _onednn_bf16()):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
         self.native_small = (
             native.library() is not None
+            and dt in (torch.float32, torch.bfloat16)
             and self.weight.shape[1] % 8 == 0
-            and (self.bias is None or self.bias.is_contiguous())
+            and (self.bias is None or (self.bias.is_contiguous() and self.bias.dtype == dt))
         )
         if self.native_small:
             # The native kernel streams this copy: on huge pages (host_memory), not a view of
@@ -56,15 +62,56 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(host_memory.copy_of(self.weight.detach()), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            if self.native_small and x.dim() == 2 and x.shape[0] <= native.SMALL_GEMM_MAX_ROWS:
+        if self.native_small and x.dim() == 2 and x.dtype == self.weight.dtype:
+            m = x.shape[0]
+            if m <= native.SMALL_GEMM_MAX_ROWS:
                 return native.small_gemm(x, self.weight, self.bias)
+            n = ROW_INVARIANT.rows if x.dtype == torch.bfloat16 else 0
+            if n >= m:
+                return native.small_gemm(x, self.weight, self.bias)
+            if n > 0:  # the leading decode rows row-wise, the prefill rows through oneDNN
+                return torch.cat([native.small_gemm(x[:n], self.weight, self.bias), self._big(x[n:])])
+        return self._big(x)
+
+    def _big(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
             return _bucketed_rows(
                 x, lambda t: torch.ops.mkldnn._linear_pointwise(t, self.packed, self.bias, "none", [], "")
             )
         if x.device.type == "cpu":
             return _bucketed_rows(x, lambda t: F.linear(t, self.weight, self.bias))
         return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _RowInvariant:
+    """bfloat16 batch invariance: the leading `rows` rows of the current forward pass (a step's
+    single-token decodes, or every LM-head row) take the native row-wise GEMM whatever their
+    number, so a decoding request's products never depend on how many others share its step.
+    (oneDNN's bf16 kernels change with the row count and round differently from the native
+    kernel; in float32 the difference stays below the last bits that decide a token, and
+    oneDNN is faster from ~32 rows, so float32 keeps the plain <= 16-row rule.)"""
+
+    rows: int = 0
+
+    @contextlib.contextmanager
+    def leading(self, rows: int):
+        before, self.rows = self.rows, rows
+        try:
+            yield
+        finally:
+            self.rows = before
+
+
+ROW_INVARIANT = _RowInvariant()
+
+
+def _onednn_bf16() -> bool:
+    """oneDNN runs bf16 natively here (avx512_bf16 / AMX); elsewhere it would emulate it."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def gemm_rows_bucket(m: int) -> int:
@@ -95,10 +142,10 @@ def _bucketed_rows(x: torch.Tensor, matmul) -> torch.Tensor:
 
 
 def can_pack_linear(dtype: torch.dtype, device: torch.device) -> bool:
-    """oneDNN packing pays on CPU in float32 (bf16/fp16 on AVX2 CPUs would be emulated)."""
+    """Linear.pack pays on CPU in float32 and bfloat16 (fp16 would be emulated by oneDNN)."""
     return (
         device.type == "cpu"
-        and dtype == torch.float32
+        and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
@@ -131,7 +178,7 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return self._forward_offset(x)
         input_dtype = x.dtype
-        if x.shape[-1] % 8 == 0 and native.available(x) and self.weight.dtype == torch.float32:
+        if x.shape[-1] % 8 == 0 and native.available(x) and self.weight.dtype == input_dtype:
             return native.rms_norm(x, self.weight, self.eps)
         if input_dtype == torch.float32 and self.weight.dtype == torch.float32:
             # The fused kernel gives the same bits as HF's composite in float32, in one op.

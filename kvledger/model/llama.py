@@ -23,6 +23,7 @@ from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
 from kvledger.model.kv_cache import LayerKVCache
 from kvledger.model.layers import (
+    ROW_INVARIANT,
     Embedding,
     GatedMLP,
     Linear,
@@ -269,9 +270,13 @@ class LlamaForCausalLM(nn.Module):
         if self.local_rotary_emb is not None:
             local_rope = RopeStep.make(self.local_rotary_emb, positions, h.dtype, use_native)
         backend = self.attn_backend
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            r = local_rope if layer.self_attn.local_rope else rope
-            h = layer(h, r, attn_metadata, kv_cache, backend)
+        # Leading single-token queries (the scheduler puts running decodes first).
+        lens = attn_metadata.query_lens_list
+        decodes = next((i for i, n in enumerate(lens) if n != 1), len(lens))
+        with ROW_INVARIANT.leading(decodes):
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                r = local_rope if layer.self_attn.local_rope else rope
+                h = layer(h, r, attn_metadata, kv_cache, backend)
         return self.model.norm(h)
 
     @torch.inference_mode()
@@ -279,7 +284,8 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] → float32 logits [N, vocab]; pass only the rows that need logits."""
         head = self.lm_head if self.lm_head is not None else self.tied_head
         if head is not None:
-            logits = head(hidden_states)
+            with ROW_INVARIANT.leading(hidden_states.shape[0]):  # one row per request
+                logits = head(hidden_states)
         else:
             logits = F.linear(hidden_states, self.model.embed_tokens.weight)
         cap = self.config.final_softcap

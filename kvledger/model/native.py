@@ -1,11 +1,16 @@
 """Native CPU kernels: C sources in csrc/, compiled on first use with the system C compiler
-and cached per source and CPU, then called through ctypes.
+and cached per source, instruction set and CPU, then called through ctypes.
 
 Why not a torch C++ extension: building one takes tens of seconds and needs the torch headers;
-these kernels are plain C with intrinsics and OpenMP, compile in 2-3 s once per machine
-(one compiler per source, in parallel), and load in milliseconds, so start-up stays within bounds. Everything here is
-optional: without a compiler, on a CPU without AVX2/FMA, or with KVLEDGER_NATIVE=0, callers
-get None and use torch's own kernels.
+these kernels are plain C with intrinsics and OpenMP, compile in a few seconds once per machine
+(one compiler per source, in parallel), and load in milliseconds, so start-up stays within bounds.
+
+Instruction sets: every source is built for one of ``ISAS`` (csrc/simd.h), chosen at run time
+from the CPU's flags, best first: ``avx512`` (AVX-512 F/BW/VL/DQ, with vdpbf16ps where the CPU
+has avx512_bf16) or ``avx2`` (AVX2+FMA+F16C). ``KVLEDGER_NATIVE_ISA=avx2`` (or ``avx512``)
+forces one, so that a CPU of either kind can test every path it can run; ``KVLEDGER_NATIVE=0``
+(or ``KVLEDGER_NATIVE_ISA=torch``) turns the kernels off. Everything here is optional: without a
+compiler, on a CPU without AVX2/FMA/F16C, callers get None and use torch's own kernels.
 """
 
 from __future__ import annotations
@@ -26,9 +31,20 @@ import torch
 logger = logging.getLogger("kvledger")
 
 CSRC = Path(__file__).with_name("csrc")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# Instruction sets, best first: the CPU flags each needs, and the compiler flags it is built with.
+ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512": (
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    ),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+}
+ISA_ENV = "KVLEDGER_NATIVE_ISA"
 # Above this many rows oneDNN's packed GEMM is faster (compute starts to matter).
 SMALL_GEMM_MAX_ROWS = 16
+# Element codes of csrc/simd.h.
+ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "fp8": 4}
 
 
 def cache_dir() -> Path:
@@ -49,28 +65,46 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
-    """Compile every csrc/*.c into one shared library (or reuse the cached one); return its path.
+def cpu_isas() -> list[str]:
+    """The instruction sets of ISAS this CPU runs, best first."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = set(_cpu_flags().split())
+    return [isa for isa, (needs, _) in ISAS.items() if flags.issuperset(needs)]
 
-    The cache key covers the sources and headers, the flags, the compiler and the CPU's flags,
-    because -march=native code must not run on another CPU. Raises OSError / SubprocessError on failure.
+
+def isa_flags(isa: str) -> list[str]:
+    """Compiler flags of one instruction set; avx512 adds vdpbf16ps where the CPU has it."""
+    flags = list(ISAS[isa][1])
+    if isa == "avx512" and "avx512_bf16" in _cpu_flags().split():
+        flags += ["-mavx512bf16", "-DKVL_AVX512BF16"]
+    return flags
+
+
+def build(cc: str | None = None, out_dir: Path | None = None, isa: str = "avx2") -> Path:
+    """Compile every csrc/*.c for one instruction set into one shared library (or reuse the
+    cached one); return its path.
+
+    The cache key covers the sources and headers, the flags, the compiler and the CPU's flags.
+    Raises OSError / SubprocessError on failure.
     """
     cc = cc or os.environ.get("CC") or "cc"
     cc_path = shutil.which(cc)
     if cc_path is None:
         raise OSError(f"no C compiler {cc!r} on PATH")
+    flags = [*CFLAGS, *isa_flags(isa)]
     sources = sorted(CSRC.glob("*.c"))
     headers = sorted(CSRC.glob("*.h"))
     h = hashlib.sha256()
     for part in [
         *(p.read_bytes() for p in [*sources, *headers]),
-        " ".join(CFLAGS).encode(),
+        " ".join(flags).encode(),
         cc_path.encode(),
         _cpu_flags().encode(),
     ]:
         h.update(part + b"\0")
     out_dir = out_dir or cache_dir()
-    target = out_dir / f"kvledger_native-{h.hexdigest()[:16]}.so"
+    target = out_dir / f"kvledger_native-{isa}-{h.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +113,7 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
         objects = [os.path.join(work, f"{p.stem}.o") for p in sources]
         procs = [
             subprocess.Popen(
-                [cc_path, *CFLAGS, "-c", "-o", o, str(p)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                [cc_path, *flags, "-c", "-o", o, str(p)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
             )
             for p, o in zip(sources, objects, strict=True)
         ]
@@ -94,48 +128,70 @@ def build(cc: str | None = None, out_dir: Path | None = None) -> Path:
                     proc.kill()
                     proc.wait()
         tmp = os.path.join(work, "lib.so")
-        subprocess.run([cc_path, *CFLAGS, "-o", tmp, *objects], check=True, capture_output=True, timeout=300)
+        subprocess.run([cc_path, *flags, "-o", tmp, *objects], check=True, capture_output=True, timeout=300)
         os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
     return target
 
 
 def _supported_cpu() -> bool:
-    flags = _cpu_flags().split()
-    return platform.machine() in ("x86_64", "AMD64") and "avx2" in flags and "fma" in flags
+    return bool(cpu_isas())
 
 
 def enabled() -> bool:
-    return os.environ.get("KVLEDGER_NATIVE", "1") != "0"
+    return os.environ.get("KVLEDGER_NATIVE", "1") != "0" and os.environ.get(ISA_ENV, "") != "torch"
+
+
+def selected_isa() -> str | None:
+    """The instruction set library() loads: KVLEDGER_NATIVE_ISA if this CPU runs it, else the
+    best this CPU runs; None when the kernels are off or no variant runs here."""
+    if not enabled():
+        return None
+    isas = cpu_isas()
+    want = os.environ.get(ISA_ENV, "")
+    if want:
+        if want not in ISAS:
+            raise ValueError(f"{ISA_ENV}={want!r}: expected one of {', '.join([*ISAS, 'torch'])}")
+        if want not in isas:
+            logger.warning("%s=%s: this CPU lacks it; using %s", ISA_ENV, want, isas[0] if isas else "torch")
+        else:
+            return want
+    return isas[0] if isas else None
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels with their signatures declared, or None where they cannot run here
     (then every caller uses torch's kernels)."""
-    if not enabled() or not _supported_cpu():
+    isa = selected_isa()
+    if isa is None:
         return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(isa=isa)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = e.stderr.decode(errors="replace")[-500:] if getattr(e, "stderr", None) else e
         logger.warning("native kernels unavailable, using torch's: %s", detail)
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.kvl_small_gemm.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
-    lib.kvl_small_gemm.restype = ctypes.c_int
-    lib.kvl_paged_decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    lib.kvl_paged_decode.restype = ctypes.c_int
-    lib.kvl_rope_inplace.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
-    lib.kvl_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
-    lib.kvl_silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
-    for fn in (lib.kvl_rope_inplace, lib.kvl_rms_norm, lib.kvl_silu_mul):
-        fn.restype = ctypes.c_int
+    i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    for fn in (lib.kvl_small_gemm, lib.kvl_small_gemm_bf16):
+        fn.argtypes = [ptr] * 4 + [i64] * 3 + [c_int]
+    lib.kvl_paged_decode.argtypes = [
+        ptr, i64, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, c_int,
+        i64, i64, i64, i64, c_float, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, c_int,
+    ]  # fmt: skip
+    for fn in (lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16):
+        fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
+    for fn in (lib.kvl_rms_norm, lib.kvl_rms_norm_bf16):
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, c_float, c_int]
+    for fn in (lib.kvl_silu_mul, lib.kvl_silu_mul_bf16):
+        fn.argtypes = [ptr, ptr, i64, i64, c_int]
+    lib.isa = isa
+    lib.vector_width = lib.kvl_vector_width()
     return lib
 
 
 def available(t: torch.Tensor) -> bool:
-    """Native kernels run here and take this tensor's dtype and device (float32, CPU)."""
-    return t.dtype == torch.float32 and t.device.type == "cpu" and library() is not None
+    """Native kernels run here and take this tensor's dtype and device (float32 or bfloat16, CPU)."""
+    return t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu" and library() is not None
 
 
 def _check(rc: int, what: str) -> None:
@@ -143,16 +199,23 @@ def _check(rc: int, what: str) -> None:
         raise ValueError(f"{what}: unsupported arguments")
 
 
+def _bf16(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16
+
+
 def rope_(
     x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
     cos_table: torch.Tensor, sin_table: torch.Tensor,
 ) -> None:
-    """Rotate-half RoPE in place on the first num_heads * head_dim floats of each row of the 2-D
-    float32 x (rows may be strided, e.g. q and k inside a fused qkv output); cos/sin tables are
-    [max_positions, head_dim] float32, positions int64 [rows]. head_dim % 16 == 0."""
+    """Rotate-half RoPE in place on the first num_heads * head_dim values of each row of the 2-D
+    float32 or bfloat16 x (rows may be strided, e.g. q and k inside a fused qkv output); cos/sin
+    tables are [max_positions, head_dim] float32 (rounded to bf16 for a bf16 x, as the torch
+    path does), positions int64 [rows]. head_dim % 16 == 0."""
     assert x.stride(1) == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+    lib = library()
+    fn = lib.kvl_rope_inplace_bf16 if _bf16(x) else lib.kvl_rope_inplace
     _check(
-        library().kvl_rope_inplace(
+        fn(
             x.data_ptr(), x.shape[0], x.stride(0), num_heads, head_dim, positions.data_ptr(),
             cos_table.data_ptr(), sin_table.data_ptr(), torch.get_num_threads(),
         ),
@@ -161,34 +224,38 @@ def rope_(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / sqrt(mean(x^2) + eps) over the last dim (a multiple of 8), float32."""
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim (a multiple of 8); x and weight both
+    float32 or both bfloat16 (normalised in float32, rounded, then times the weight: HF's order)."""
     x = x.contiguous()
     y = torch.empty_like(x)
     n = x.shape[-1]
+    lib = library()
+    fn = lib.kvl_rms_norm_bf16 if _bf16(x) else lib.kvl_rms_norm
     _check(
-        library().kvl_rms_norm(
-            x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads()
-        ),
+        fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads()),
         "rms_norm",
     )
     return y
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for a contiguous [rows, 2 * inter] float32 tensor of [gate | up] rows."""
+    """silu(gate) * up for a contiguous [rows, 2 * inter] float32/bfloat16 tensor of [gate | up] rows."""
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-    _check(
-        library().kvl_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()),
-        "silu_mul",
-    )
+    lib = library()
+    fn = lib.kvl_silu_mul_bf16 if _bf16(gate_up) else lib.kvl_silu_mul
+    _check(fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()), "silu_mul")
     return out
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias) with the native kernel; float32 CPU, K % 8 == 0,
-    weight and bias contiguous (the caller checks, see Linear.forward)."""
-    fn = library().kvl_small_gemm
+    """x [M, K] @ weight[N, K]^T (+ bias) with the native kernel; CPU, float32 or bfloat16 (x,
+    weight and bias of one dtype; bf16 accumulates in float32), K % 8 == 0, weight and bias
+    contiguous (the caller checks, see Linear.forward)."""
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(f"small_gemm: x {x.dtype} and weight {weight.dtype} must share one dtype")
+    lib = library()
+    fn = lib.kvl_small_gemm_bf16 if _bf16(weight) else lib.kvl_small_gemm
     x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
@@ -208,15 +275,34 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return y
 
 
-def can_paged_decode(k_cache: torch.Tensor, num_heads: int) -> bool:
-    """Whether paged_decode handles this layer cache: float32 on the CPU, contiguous
-    [num_blocks, block_size, num_kv_heads, head_dim] with head_dim % 8 == 0 and at most 16
-    query heads per KV head."""
-    if library() is None or k_cache.dtype != torch.float32 or k_cache.device.type != "cpu":
+def cache_elems(layer_cache) -> tuple[int, int] | None:
+    """Element codes (K, V) of a layer cache that paged_decode reads in place, or None."""
+    if getattr(layer_cache, "quantized", False):
+        return ELEM[layer_cache.k_fmt], ELEM[layer_cache.v_fmt]
+    k = getattr(layer_cache, "k", None)
+    if k is None or k.dtype not in ELEM:
+        return None
+    return ELEM[k.dtype], ELEM[k.dtype]
+
+
+def can_paged_decode(layer_cache, num_heads: int, dtype: torch.dtype) -> bool:
+    """Whether paged_decode handles this layer cache for queries of `dtype`: CPU, q in float32
+    or bfloat16, the cache unquantised in the same dtype or int8/fp8 codes with scales,
+    contiguous [num_blocks, block_size, num_kv_heads, head_dim] with head_dim % 8 == 0 and at
+    most 16 query heads per KV head."""
+    lib = library()
+    if lib is None or dtype not in (torch.float32, torch.bfloat16):
         return False
-    _, _, num_kv_heads, head_dim = k_cache.shape
+    quantized = getattr(layer_cache, "quantized", False)
+    k = layer_cache.k_codes if quantized else getattr(layer_cache, "k", None)
+    if k is None or k.device.type != "cpu" or (not quantized and k.dtype != dtype):
+        return False
+    if quantized and getattr(layer_cache, "dtype", dtype) != dtype:
+        return False
+    _, _, num_kv_heads, head_dim = k.shape
     return (
-        k_cache.is_contiguous()
+        cache_elems(layer_cache) is not None
+        and k.is_contiguous()
         and head_dim % 8 == 0
         and head_dim <= 256
         and num_heads % num_kv_heads == 0
@@ -226,25 +312,49 @@ def can_paged_decode(k_cache: torch.Tensor, num_heads: int) -> bool:
 
 def paged_decode(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    layer_cache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     rows: torch.Tensor,
     out: torch.Tensor,
     scale: float,
+    fp_spans: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> None:
     """out[rows[b]] = softmax(q[rows[b]] K_b^T * scale) V_b for each decoding request b, where
-    K_b, V_b are the first seq_lens[b] tokens of the blocks block_tables[b] (read in place).
+    K_b, V_b are the first seq_lens[b] tokens of the blocks block_tables[b] (read in place, in
+    the cache's stored format; quantised codes are scaled per token and KV head).
 
-    q [T, H, D] and out [T, H * D] float32 contiguous; block_tables [B, max_blocks], seq_lens and
-    rows [B], all int64 with contiguous rows (the caller checks can_paged_decode first)."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    q [T, H, D] and out [T, H * D] contiguous in the model dtype; block_tables [B, max_blocks],
+    seq_lens and rows [B], all int64 with contiguous rows (the caller checks can_paged_decode
+    first). Quantised caches with an overlay: fp_spans [B, 5] int64 (see csrc/paged_decode.c)
+    and this step's k/v [T, Hkv, D] (rows of one stride, heads contiguous) name the positions
+    read in full precision."""
+    if fp_spans is not None and (
+        k_new.stride(0) != v_new.stride(0) or k_new.stride(2) != 1 or k_new.stride(1) != k_new.shape[2]
+        or v_new.stride(2) != 1 or v_new.stride(1) != v_new.shape[2]
+    ):
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    quantized = getattr(layer_cache, "quantized", False)
+    kt, vt = cache_elems(layer_cache)
+    if quantized:
+        kc, vc = layer_cache.k_codes, layer_cache.v_codes
+        ks, vs = layer_cache.k_scales.data_ptr(), layer_cache.v_scales.data_ptr()
+    else:
+        kc, vc = layer_cache.k, layer_cache.v
+        ks = vs = None
+    num_blocks, block_size, num_kv_heads, head_dim = kc.shape
+    ov = fp_spans is not None
     rc = library().kvl_paged_decode(
         q.data_ptr(),
         q.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
+        kc.data_ptr(),
+        vc.data_ptr(),
+        kt,
+        vt,
+        ks,
+        vs,
         block_tables.data_ptr(),
         block_tables.stride(0),
         seq_lens.data_ptr(),
@@ -252,12 +362,21 @@ def paged_decode(
         rows.shape[0],
         out.data_ptr(),
         out.stride(0),
+        ELEM[q.dtype],
         q.shape[1],
         num_kv_heads,
         head_dim,
         block_size,
         scale,
+        fp_spans.data_ptr() if ov else None,
+        layer_cache.overlay_k.data_ptr() if ov else None,
+        layer_cache.overlay_v.data_ptr() if ov else None,
+        layer_cache.sink_tokens if ov else 0,
+        layer_cache.recent_tokens if ov else 0,
+        k_new.data_ptr() if ov else None,
+        v_new.data_ptr() if ov else None,
+        k_new.stride(0) if ov else 0,
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise ValueError(f"paged_decode: unsupported arguments (q {tuple(q.shape)}, cache {tuple(k_cache.shape)})")
+        raise ValueError(f"paged_decode: unsupported arguments (q {tuple(q.shape)}, cache {tuple(kc.shape)})")

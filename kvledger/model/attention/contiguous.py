@@ -17,6 +17,7 @@ Only the references live here; the engine never calls them.
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,7 @@ def contig_decode(
     real = native.library
     native.library = lambda: lib
     try:
-        _PAGED_DECODE(q, k_cache, v_cache, first_blocks, seq_lens, rows, out, scale)
+        _PAGED_DECODE(q, SimpleNamespace(k=k_cache, v=v_cache), first_blocks, seq_lens, rows, out, scale)
     finally:
         native.library = real
 

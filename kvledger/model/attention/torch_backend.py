@@ -2,14 +2,16 @@
 
 Correctness first: each request reads back only its own blocks, and queries of a chunk sit at
 positions seq_len - query_len + i. Single-token decodes of all requests go to one call of the
-native paged-decode kernel (kvledger.model.native: float32 CPU, unquantised cache), which reads
-the blocks in place; elsewhere they are batched into a few masked SDPA calls (grouped by context
-length), because a Python loop costs more than the attention itself on small models.
+native paged-decode kernel (kvledger.model.native: CPU, float32 or bfloat16 queries, the cache
+unquantised or int8/fp8 codes), which reads the blocks in place in their stored format; elsewhere
+they are batched into a few masked SDPA calls (grouped by context length), because a Python loop
+costs more than the attention itself on small models.
 
 Quantised caches (``layer_cache.quantized``): every key is read back dequantised from the blocks
 of the requests in the step (never the whole cache), including the step's own tokens, and the
 full-precision overlay is substituted for sinks and the recent window, per query: a query at
 position q sees key p in full precision iff p < S or q - p < R (see ``kvledger.cache.kv_quant``).
+The native decode applies the same rule to the codes it reads (``_NativeDecode.fp_spans``).
 A decode overwrites those rows; a prefill chunk with R > 0 attends over the dequantised context
 plus the window's full-precision keys appended, with a mask that lets each query see each
 position exactly once. So a token's attention does not depend on how its request was chunked,
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 from kvledger.model import native
 from kvledger.model.attention.metadata import AttentionMetadata
-from kvledger.model.kv_cache import LayerKVCache, PagedKVCache
+from kvledger.model.kv_cache import LayerKVCache
 
 # Batching decodes saves the per-request op overhead (~100 us per request and layer on these
 # CPUs) but gathers each request's context padded to the longest in its batch, through a
@@ -93,6 +95,9 @@ class _NativeDecode:
     rows: torch.Tensor  # [B] query row of each request
     block_tables: torch.Tensor  # [B, max_blocks]
     seq_lens: torch.Tensor  # [B]
+    # Quantised caches with an overlay: per request (overlay base row, sink_lo, sink_hi, win_lo,
+    # self) = the positions read in full precision (csrc/paged_decode.c).
+    fp_spans: torch.Tensor | None = None
 
 
 @dataclass
@@ -151,7 +156,9 @@ class TorchAttentionBackend:
             out[c.start : c.end] = self._attend_chunk(q, k, v, layer_cache, c, scale)
         if nd is not None:
             q = q.contiguous()
-            native.paged_decode(q, layer_cache.k, layer_cache.v, nd.block_tables, nd.seq_lens, nd.rows, out, scale)
+            native.paged_decode(
+                q, layer_cache, nd.block_tables, nd.seq_lens, nd.rows, out, scale, nd.fp_spans, k, v
+            )
         num_kv_heads = k.shape[1]
         for d in plan.decode:
             bsz = d.rows.shape[0]
@@ -221,9 +228,7 @@ class TorchAttentionBackend:
         num_heads: int,
     ) -> _Plan:
         if meta is not self._plan_meta:
-            use_native = isinstance(layer_cache, PagedKVCache) and native.can_paged_decode(
-                layer_cache.k, num_heads
-            )
+            use_native = native.can_paged_decode(layer_cache, num_heads, dtype)
             quant = None
             if getattr(layer_cache, "quantized", False):
                 quant = _Quant(
@@ -245,7 +250,7 @@ def _build_plan(
     use_native: bool = False,
 ) -> _Plan:
     """Split the step into per-request chunks and the decodes: all in one _NativeDecode when
-    use_native (unquantised caches only), else padded batches (_decode_groups)."""
+    use_native, else padded batches (_decode_groups)."""
     device = meta.slot_mapping.device
     bs = meta.block_size
     starts: list[int] = []
@@ -255,15 +260,15 @@ def _build_plan(
         pos += n
 
     native_decode = None
-    if use_native and quant is None:
+    overlay = quant is not None and quant.overlay
+    if use_native:
         groups = []
         batched = {i for i, n in enumerate(meta.query_lens_list) if n == 1}
         if batched:
-            native_decode = _native_decode(meta, sorted(batched), starts)
+            native_decode = _native_decode(meta, sorted(batched), starts, quant if overlay else None)
     else:
         groups = _decode_groups(meta, kv_width * dtype.itemsize * 2)
         batched = {i for g in groups for i in g}
-    overlay = quant is not None and quant.overlay
 
     chunks: list[_Chunk] = []
     for i, (query_len, seq_len) in enumerate(
@@ -315,10 +320,26 @@ def _select_requests(
     return rows, meta.block_tables.index_select(0, idx), meta.seq_lens.index_select(0, idx)
 
 
-def _native_decode(meta: AttentionMetadata, decodes: list[int], starts: list[int]) -> _NativeDecode:
+def _native_decode(
+    meta: AttentionMetadata, decodes: list[int], starts: list[int], quant: _Quant | None
+) -> _NativeDecode:
     rows, tables, seq_lens = _select_requests(meta, decodes, starts)
+    spans = None
+    if quant is not None:  # the decode case of _chunk_overlay, as spans
+        S, R = quant.sinks, quant.recent
+        flat: list[int] = []
+        for i in decodes:
+            p0 = meta.seq_lens_list[i] - 1
+            lo = max(meta.overlay_sink_from[i], 0)
+            hi = max(lo, min(S, p0))
+            if R:
+                w_lo, own = max(S, p0 - R + 1, min(meta.overlay_window_from[i], p0)), 1
+            else:
+                w_lo, own = p0, int(p0 < S)
+            flat += (meta.overlay_slots[i] * (S + R), lo, hi, w_lo, own)
+        spans = torch.tensor(flat, dtype=torch.int64).view(len(decodes), 5)
     return _NativeDecode(
-        rows, tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
+        rows, tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous(), spans
     )
 
 

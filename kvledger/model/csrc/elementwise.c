@@ -10,6 +10,12 @@
  *  - kvl_silu_mul: silu(gate) * up = gate / (1 + exp(-gate)) * up over a fused [gate | up] row.
  *    exp is a Cephes-style polynomial (~1 ulp), not torch's Sleef.
  * Float32, no fast-math. Rows are spread over OpenMP threads when there are enough of them.
+ *
+ * The *_bf16 twins take and return bfloat16 and round to bfloat16 wherever a torch bf16 op
+ * stores its result (HF's bf16 forward pass): RoPE with bf16 cos/sin, each product and the sum
+ * rounded (bit-identical to the torch bf16 path); RMSNorm normalised in float32, rounded, then
+ * times the bf16 weight and rounded; silu(gate) rounded, times up, rounded.
+ * These kernels work on 8 floats at a time on both instruction sets (they are cheap).
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -79,6 +85,69 @@ int kvl_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int n
             __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
             __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
             _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+    }
+    return 0;
+}
+
+/* ---- bfloat16 twins ---------------------------------------------------------------------- */
+
+int kvl_rope_inplace_bf16(uint16_t *x, int64_t rows, int64_t x_stride, int64_t num_heads, int64_t D,
+                          const int64_t *positions, const float *cos_table, const float *sin_table,
+                          int num_threads) {
+    if (D % 16 != 0 || rows < 0) return -1;
+    const int64_t h = D / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * num_heads * D >= PAR_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
+        for (int64_t hd = 0; hd < num_heads; hd++) {
+            uint16_t *p = x + t * x_stride + hd * D;
+            for (int64_t i = 0; i < h; i += 8) {
+                __m256 x1 = load8_bf16(p + i), x2 = load8_bf16(p + h + i);
+                __m256 c1 = round8_bf16(_mm256_loadu_ps(c + i)), s1 = round8_bf16(_mm256_loadu_ps(s + i));
+                __m256 c2 = round8_bf16(_mm256_loadu_ps(c + h + i)), s2 = round8_bf16(_mm256_loadu_ps(s + h + i));
+                __m256 lo = _mm256_add_ps(round8_bf16(_mm256_mul_ps(x1, c1)),
+                                          round8_bf16(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), s1)));
+                __m256 hi = _mm256_add_ps(round8_bf16(_mm256_mul_ps(x2, c2)), round8_bf16(_mm256_mul_ps(x1, s2)));
+                store8_bf16(p + i, lo);
+                store8_bf16(p + h + i, hi);
+            }
+        }
+    }
+    return 0;
+}
+
+int kvl_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
+                      float eps, int num_threads) {
+    if (n % 8 != 0 || rows < 0) return -1;
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= PAR_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * n;
+        uint16_t *yr = y + r * n;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) {
+            __m256 v = load8_bf16(xr + i);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+        }
+        float var = hsum8(acc) / (float)n;
+        __m256 inv = _mm256_set1_ps(1.0f / __builtin_sqrtf(var + eps));
+        for (int64_t i = 0; i < n; i += 8)
+            store8_bf16(yr + i, _mm256_mul_ps(load8_bf16(w + i), round8_bf16(_mm256_mul_ps(load8_bf16(xr + i), inv))));
+    }
+    return 0;
+}
+
+int kvl_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter, int num_threads) {
+    if (inter % 8 != 0 || rows < 0) return -1;
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= PAR_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i += 8) {
+            __m256 x = load8_bf16(g + i);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            __m256 silu = round8_bf16(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+            store8_bf16(o + i, _mm256_mul_ps(silu, load8_bf16(u + i)));
         }
     }
     return 0;

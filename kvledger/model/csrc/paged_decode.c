@@ -2,16 +2,28 @@
  *
  * One query token per request attends to its whole context: seq_lens[b] tokens whose K/V sit
  * in blocks block_tables[b, :] of caches laid out [num_blocks, block_size, num_kv_heads,
- * head_dim] (kvledger.model.kv_cache.PagedKVCache, float32). The torch path gathers every
- * context into a padded copy and runs SDPA over it; this kernel reads each K and V row once,
- * where it lies, so a decode step costs one pass over the live context.
+ * head_dim] (kvledger.model.kv_cache.PagedKVCache and kv_quant.QuantizedPagedKVCache). The
+ * torch path gathers (and for quantised caches dequantises) every context into a padded copy
+ * and runs SDPA over it; this kernel reads each K and V row once, where it lies, in its stored
+ * format: float32, bfloat16, float16, or int8 / fp8 codes with one float16 scale per token and
+ * KV head (the scale multiplies the token's score, and its softmax weight in the V sum, so no
+ * dequantised copy is ever made).
  *
  * Per (request, KV head) work item, for the G = num_heads / num_kv_heads query heads that share
  * the KV head (GQA, no expansion): scores s = (q . k) * scale for every context token, then an
  * exact softmax (max, exp, sum: two passes over the scores, not an online rescaling), then the
- * probability-weighted sum of V rows, divided by the sum at the end. Float32, no fast-math;
- * exp is a Cephes-style polynomial accurate to ~1 ulp. Results depend only on the request's own
- * data, never on the batch around it.
+ * probability-weighted sum of V rows, divided by the sum at the end. Float32 arithmetic, no
+ * fast-math; exp is a Cephes-style polynomial accurate to ~1 ulp. q is read and out written in
+ * the model dtype (float32 or bfloat16). Results depend only on the request's own data, never
+ * on the batch around it.
+ *
+ * Quantised caches keep some positions in full precision (kv_quant's overlay: attention sinks
+ * and the recent window, and the step's own token): fp_spans[b] = (overlay base row, sink_lo,
+ * sink_hi, win_lo, self) says which. Positions [sink_lo, sink_hi) are read from overlay row
+ * base + p, [win_lo, p0) from ring row base + S + p % R, and the query's own position p0 from
+ * this step's k/v row when self != 0. Their scores replace the code scores, and their weights
+ * are taken out of the code V sum and applied to the full-precision rows instead: the same
+ * per-query rule as the torch path (torch_backend._chunk_overlay).
  *
  * Work items are spread over OpenMP threads dynamically; each thread keeps G * max_seq_len
  * floats of scores. Returns 0, or -1 for unsupported arguments (the caller falls back).
@@ -24,15 +36,16 @@
 
 #include "simd.h"
 
-static inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
-
-static inline void prefetch_rows(const float *p, int64_t n, int64_t row, int64_t D) {
-    for (int64_t j = 0; j < n; j++, p += row)
-        for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(p + d), _MM_HINT_T1);
-}
-
 #define MAX_G 16
 #define MAX_D 256
+#define MAX_ACC 16 /* V accumulators kept in registers: GB query heads x D / VW */
+
+static inline void prefetch_rows(const char *p, int64_t n, int64_t row_bytes, int64_t bytes) {
+    for (int64_t j = 0; j < n; j++, p += row_bytes)
+        for (int64_t d = 0; d < bytes; d += 64) _mm_prefetch(p + d, _MM_HINT_T1);
+}
+
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 /* Which block holds a request's blk-th block of context. contig_decode.c includes this file with
  * KVL_CONTIGUOUS defined, turning it into the contiguous reference kernel: each request's blocks
@@ -44,97 +57,227 @@ static inline void prefetch_rows(const float *p, int64_t n, int64_t row, int64_t
 #define BLOCK_ID(table, blk) (table[blk])
 #endif
 
-/* One (request, KV head) item. D and G are compile-time constants at the call sites below
- * (always_inline), so the per-token loops unroll and keep their accumulators in registers. */
-static inline __attribute__((always_inline)) void attend_one(
-    const float *q, const float *kc, const float *vc, const int64_t *table, int64_t len,
-    float *out, const int64_t G, const int64_t Hkv, const int64_t kvh, const int64_t D,
-    const int64_t bs, const float scale, float *sc) {
-    const int64_t row = Hkv * D; /* floats between consecutive tokens of one KV head */
+typedef struct {
+    const char *kc, *vc;          /* caches, element types KT / VT */
+    const uint16_t *ks, *vs;      /* float16 scales [num_blocks * bs, Hkv] (quantised), else NULL */
+    const char *ov_k, *ov_v;      /* overlay rows [*, Hkv, D] in the model dtype */
+    const char *k_new, *v_new;    /* this step's k/v rows [T, Hkv, D] in the model dtype */
+    int64_t new_stride, S, R, Hkv, D, bs;
+    int qt;                       /* model dtype: ELEM_F32 or ELEM_BF16 */
+    float scale;
+} args_t;
+
+/* Full-precision positions of one item (quantised caches): row pointers, at most S + R + 1. */
+typedef struct {
+    int64_t n;
+    int64_t *pos;
+    const char **krow, **vrow;
+} fp_t;
+
+static float dot_fp(const float *q, const char *row, int qt, int64_t D) {
+    vf acc = vzero();
+    for (int64_t d = 0; d < D; d += VW)
+        acc = vfmadd(vload_as_n(q + d, ELEM_F32, D - d), vload_as_n(row + d * (qt == ELEM_BF16 ? 2 : 4), qt, D - d), acc);
+    return vhsum(acc);
+}
+
+/* Scores of GS query heads (q: GS rows of D floats) against every key of the context, into
+ * sc[gi * len + t]. KT, D and GS are compile-time constants at the call sites (always_inline):
+ * the loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void score_pass(
+    const args_t *a, const float *q, const int64_t *table, int64_t len, float *sc, const int KT,
+    const int64_t D, const int64_t GS, const int64_t kvh) {
+    const int64_t Hkv = a->Hkv, bs = a->bs;
+    const int64_t kes = KT == ELEM_F32 ? 4 : (KT <= ELEM_F16 ? 2 : 1);
+    const int64_t row = Hkv * D * kes;
+    const float kunit = KT == ELEM_FP8 ? FP8_UNIT : 1.0f;
     const int64_t nblocks = (len + bs - 1) / bs;
-    float mx[MAX_G], sum[MAX_G];
-    for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
-    /* Scores: every query head of the group against each key, one pass over K. */
     for (int64_t blk = 0, t = 0; blk < nblocks; blk++) {
-        const float *k = kc + BLOCK_ID(table, blk) * bs * row + kvh * D;
+        const int64_t slot0 = BLOCK_ID(table, blk) * bs;
+        const char *k = a->kc + (slot0 * Hkv + kvh) * D * kes;
         const int64_t n = len - t < bs ? len - t : bs;
         /* The blocks are scattered, so the hardware prefetcher stops at each block's end: ask
-         * for the next block's keys and this block's values (read in the V pass) now. */
-        if (blk + 1 < nblocks) prefetch_rows(kc + BLOCK_ID(table, blk + 1) * bs * row + kvh * D, bs, row, D);
-        prefetch_rows(vc + BLOCK_ID(table, blk) * bs * row + kvh * D, n, row, D);
+         * for the next block's keys now. */
+        if (blk + 1 < nblocks) prefetch_rows(a->kc + (BLOCK_ID(table, blk + 1) * bs * Hkv + kvh) * D * kes, bs, row, D * kes);
         for (int64_t j = 0; j < n; j++, t++, k += row) {
-            __m256 acc[MAX_G];
-            for (int64_t g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-                __m256 kv = _mm256_loadu_ps(k + d);
-                for (int64_t g = 0; g < G; g++)
-                    acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), kv, acc[g]);
+            vf acc[MAX_G];
+            for (int64_t g = 0; g < GS; g++) acc[g] = vzero();
+            for (int64_t d = 0; d < D; d += VW) {
+                vf kv = vload_as_n(k + d * kes, KT, D - d);
+                for (int64_t g = 0; g < GS; g++) acc[g] = vfmadd(vload_as_n(q + g * D + d, ELEM_F32, D - d), kv, acc[g]);
             }
-            for (int64_t g = 0; g < G; g++) {
-                float s = hsum8(acc[g]) * scale;
-                sc[g * len + t] = s;
-                mx[g] = s > mx[g] ? s : mx[g];
+            const float f = KT >= ELEM_I8 ? a->scale * half_to_float(a->ks[(slot0 + j) * Hkv + kvh]) * kunit : a->scale;
+            for (int64_t g = 0; g < GS; g++) sc[g * len + t] = vhsum(acc[g]) * f;
+        }
+    }
+}
+
+/* out[gi] = sum_t w[gi * len + t] * V_t for GN query heads (unnormalised); each V row is loaded
+ * (and converted) once for the GN heads, whose accumulators stay in registers. */
+static inline __attribute__((always_inline)) void v_pass(
+    const args_t *a, const float *w, const int64_t *table, int64_t len, float *out, const int VT,
+    const int64_t D, const int64_t GN, const int64_t kvh) {
+    const int64_t Hkv = a->Hkv, bs = a->bs, DV = (D + VW - 1) / VW;
+    const int64_t ves = VT == ELEM_F32 ? 4 : (VT <= ELEM_F16 ? 2 : 1);
+    const int64_t row = Hkv * D * ves;
+    const float vunit = VT == ELEM_FP8 ? FP8_UNIT : 1.0f;
+    const int64_t nblocks = (len + bs - 1) / bs;
+    vf acc[MAX_ACC > MAX_D / VW ? MAX_ACC : MAX_D / VW];
+    for (int64_t i = 0; i < GN * DV; i++) acc[i] = vzero();
+    for (int64_t blk = 0, t = 0; blk < nblocks; blk++) {
+        const int64_t slot0 = BLOCK_ID(table, blk) * bs;
+        const char *v = a->vc + (slot0 * Hkv + kvh) * D * ves;
+        const int64_t n = len - t < bs ? len - t : bs;
+        if (blk + 1 < nblocks) prefetch_rows(a->vc + (BLOCK_ID(table, blk + 1) * bs * Hkv + kvh) * D * ves, bs, row, D * ves);
+        for (int64_t j = 0; j < n; j++, t++, v += row) {
+            const float f = VT >= ELEM_I8 ? half_to_float(a->vs[(slot0 + j) * Hkv + kvh]) * vunit : 1.0f;
+            vf pv[MAX_ACC];
+            for (int64_t gi = 0; gi < GN; gi++) pv[gi] = vset1(w[gi * len + t] * f);
+            for (int64_t d = 0; d < DV; d++) {
+                vf vv = vload_as_n(v + d * VW * ves, VT, D - d * VW);
+                for (int64_t gi = 0; gi < GN; gi++) acc[gi * DV + d] = vfmadd(pv[gi], vv, acc[gi * DV + d]);
             }
         }
     }
+    for (int64_t gi = 0; gi < GN; gi++)
+        for (int64_t d = 0; d < DV; d++) vstore_n(out + gi * D + d * VW, acc[gi * DV + d], D - d * VW);
+}
+
+/* Specialisations: element type x head_dim {64, 128, any} x heads per pass {4, 2, 1}. */
+#define BY_GS(CALL, DD)                    \
+    switch (gs) {                          \
+    case 4: CALL(DD, 4); return;           \
+    case 2: CALL(DD, 2); return;           \
+    default: CALL(DD, 1); return;          \
+    }
+#define BY_D(CALL)                         \
+    if (D == 64) { BY_GS(CALL, 64) }       \
+    if (D == 128) { BY_GS(CALL, 128) }     \
+    CALL(D, gs);                           \
+    return;
+
+#define SCORE(DD, GG) score_pass(a, q, table, len, sc, KT_, DD, GG, kvh)
+static void scores_any(const args_t *a, const float *q, const int64_t *table, int64_t len, float *sc,
+                       int kt, int64_t D, int64_t gs, int64_t kvh) {
+#define KT_ ELEM_F32
+    if (kt == KT_) { BY_D(SCORE) }
+#undef KT_
+#define KT_ ELEM_BF16
+    if (kt == KT_) { BY_D(SCORE) }
+#undef KT_
+#define KT_ ELEM_F16
+    if (kt == KT_) { BY_D(SCORE) }
+#undef KT_
+#define KT_ ELEM_I8
+    if (kt == KT_) { BY_D(SCORE) }
+#undef KT_
+#define KT_ ELEM_FP8
+    if (kt == KT_) { BY_D(SCORE) }
+#undef KT_
+}
+#define VSUM(DD, GG) v_pass(a, w, table, len, out, VT_, DD, GG, kvh)
+static void vsum_any(const args_t *a, const float *w, const int64_t *table, int64_t len, float *out,
+                     int vt, int64_t D, int64_t gs, int64_t kvh) {
+#define VT_ ELEM_F32
+    if (vt == VT_) { BY_D(VSUM) }
+#undef VT_
+#define VT_ ELEM_BF16
+    if (vt == VT_) { BY_D(VSUM) }
+#undef VT_
+#define VT_ ELEM_F16
+    if (vt == VT_) { BY_D(VSUM) }
+#undef VT_
+#define VT_ ELEM_I8
+    if (vt == VT_) { BY_D(VSUM) }
+#undef VT_
+#define VT_ ELEM_FP8
+    if (vt == VT_) { BY_D(VSUM) }
+#undef VT_
+}
+
+static inline int64_t pass_heads(int64_t left, int64_t cap) {
+    int64_t g = left >= 4 ? 4 : (left >= 2 ? 2 : 1);
+    while (g > cap) g /= 2;
+    return g;
+}
+
+/* One (request, KV head) item: q and out are G rows of D floats. */
+static void attend_item(const args_t *a, const float *q, const int64_t *table, int64_t len,
+                        float *out, int kt, int vt, int64_t G, int64_t kvh, float *sc,
+                        const fp_t *fp, float *fpw) {
+    const int64_t D = a->D;
+    for (int64_t g0 = 0; g0 < G;) {
+        const int64_t gs = pass_heads(G - g0, 4);
+        scores_any(a, q + g0 * D, table, len, sc + g0 * len, kt, D, gs, kvh);
+        g0 += gs;
+    }
+    if (fp)
+        for (int64_t i = 0; i < fp->n; i++)
+            for (int64_t g = 0; g < G; g++)
+                sc[g * len + fp->pos[i]] = dot_fp(q + g * D, fp->krow[i], a->qt, D) * a->scale;
     /* Softmax numerators in place, and their sums. */
+    float sum[MAX_G];
     for (int64_t g = 0; g < G; g++) {
         float *s = sc + g * len;
-        __m256 m = _mm256_set1_ps(mx[g]), acc = _mm256_setzero_ps();
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < len; t++) mx = s[t] > mx ? s[t] : mx;
+        vf m = vset1(mx), acc = vzero();
         int64_t t = 0;
-        for (; t + 8 <= len; t += 8) {
-            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
-            _mm256_storeu_ps(s + t, p);
-            acc = _mm256_add_ps(acc, p);
+        for (; t + VW <= len; t += VW) {
+            vf p = vexp(vsub(vload(s + t), m));
+            vstore(s + t, p);
+            acc = vadd(acc, p);
         }
         float tail = 0.0f;
         for (; t < len; t++) {
-            s[t] = exp1(s[t] - mx[g]);
+            s[t] = _mm256_cvtss_f32(exp8(_mm256_set1_ps(s[t] - mx)));
             tail += s[t];
         }
-        sum[g] = hsum8(acc) + tail;
-    }
-    /* Weighted sum of V rows, one query head at a time: its D-wide accumulator stays in
-     * registers; after the first head the item's V rows come from L2. */
-    for (int64_t g = 0; g < G; g++) {
-        const float *p = sc + g * len;
-        __m256 acc[MAX_D / 8];
-        for (int64_t d = 0; d < D / 8; d++) acc[d] = _mm256_setzero_ps();
-        for (int64_t blk = 0, t = 0; blk < nblocks; blk++) {
-            const float *v = vc + BLOCK_ID(table, blk) * bs * row + kvh * D;
-            const int64_t n = len - t < bs ? len - t : bs;
-            for (int64_t j = 0; j < n; j++, t++, v += row) {
-                __m256 pv = _mm256_set1_ps(p[t]);
-                for (int64_t d = 0; d < D / 8; d++)
-                    acc[d] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * d), acc[d]);
+        sum[g] = vhsum(acc) + tail;
+        if (fp)
+            for (int64_t i = 0; i < fp->n; i++) {
+                fpw[g * fp->n + i] = s[fp->pos[i]];
+                s[fp->pos[i]] = 0.0f; /* its V row is read in full precision below */
             }
-        }
-        __m256 inv = _mm256_set1_ps(1.0f / sum[g]);
-        for (int64_t d = 0; d < D / 8; d++) _mm256_storeu_ps(out + g * D + 8 * d, _mm256_mul_ps(acc[d], inv));
+    }
+    const int64_t DV = (D + VW - 1) / VW;
+    const int64_t cap = MAX_ACC / DV < 1 ? 1 : MAX_ACC / DV;
+    for (int64_t g0 = 0; g0 < G;) {
+        const int64_t gs = pass_heads(G - g0, cap);
+        vsum_any(a, sc + g0 * len, table, len, out + g0 * D, vt, D, gs, kvh);
+        g0 += gs;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *o = out + g * D;
+        if (fp)
+            for (int64_t i = 0; i < fp->n; i++) {
+                vf pv = vset1(fpw[g * fp->n + i]);
+                for (int64_t d = 0; d < D; d += VW)
+                    vstore_n(o + d, vfmadd(pv, vload_as_n(fp->vrow[i] + d * (a->qt == ELEM_BF16 ? 2 : 4), a->qt, D - d),
+                                           vload_as_n(o + d, ELEM_F32, D - d)), D - d);
+            }
+        vf inv = vset1(1.0f / sum[g]);
+        for (int64_t d = 0; d < D; d += VW) vstore_n(o + d, vmul(vload_as_n(o + d, ELEM_F32, D - d), inv), D - d);
     }
 }
 
-static void attend_any(const float *q, const float *kc, const float *vc, const int64_t *table,
-                       int64_t len, float *out, int64_t G, int64_t Hkv, int64_t kvh, int64_t D,
-                       int64_t bs, float scale, float *sc) {
-#define CASE(GG, DD)                                                                    \
-    if (G == GG && D == DD) {                                                           \
-        attend_one(q, kc, vc, table, len, out, GG, Hkv, kvh, DD, bs, scale, sc);        \
-        return;                                                                         \
-    }
-    CASE(1, 64) CASE(2, 64) CASE(4, 64) CASE(8, 64)
-    CASE(1, 128) CASE(2, 128) CASE(4, 128) CASE(8, 128)
-#undef CASE
-    attend_one(q, kc, vc, table, len, out, G, Hkv, kvh, D, bs, scale, sc);
-}
+#ifndef KVL_CONTIGUOUS
+/* Float lanes of this build. */
+int kvl_vector_width(void) { return VW; }
+#endif
 
-int kvl_paged_decode(const float *q, int64_t q_row_stride, const float *k_cache,
-                     const float *v_cache, const int64_t *block_tables, int64_t table_stride,
-                     const int64_t *seq_lens, const int64_t *rows, int64_t B, float *out,
-                     int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                     float scale, int num_threads) {
+int kvl_paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                     int kt, int vt, const uint16_t *k_scales, const uint16_t *v_scales,
+                     const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                     const int64_t *rows, int64_t B, void *out, int64_t out_row_stride, int qt,
+                     int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale,
+                     const int64_t *fp_spans, const void *ov_k, const void *ov_v, int64_t S, int64_t R,
+                     const void *k_new, const void *v_new, int64_t new_row_stride, int num_threads) {
     if (B < 1 || Hkv < 1 || H % Hkv != 0 || H / Hkv > MAX_G || D % 8 != 0 || D > MAX_D || bs < 1 ||
-        num_threads < 1)
+        num_threads < 1 || (qt != ELEM_F32 && qt != ELEM_BF16) || kt < 0 || kt > ELEM_FP8 || vt < 0 ||
+        vt > ELEM_FP8 || ((kt >= ELEM_I8) != (k_scales != NULL)) || ((vt >= ELEM_I8) != (v_scales != NULL)) ||
+        (kt == ELEM_F16) != (vt == ELEM_F16) || (kt < ELEM_I8 && kt != ELEM_F16 && kt != vt) ||
+        (fp_spans && (!ov_k || !ov_v || !k_new || !v_new || S < 0 || R < 0)))
         return -1;
     const int64_t G = H / Hkv;
     int64_t max_len = 1;
@@ -142,23 +285,61 @@ int kvl_paged_decode(const float *q, int64_t q_row_stride, const float *k_cache,
         if (seq_lens[b] < 1) return -1;
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
     }
+    const args_t a = {k_cache, v_cache, k_scales, v_scales, ov_k, ov_v, k_new, v_new,
+                      new_row_stride, S, R, Hkv, D, bs, qt, scale};
+    const int64_t qes = qt == ELEM_BF16 ? 2 : 4;
+    const int64_t max_fp = fp_spans ? S + R + 1 : 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *sc = malloc(sizeof(float) * G * max_len);
-        if (!sc) {
+        float *sc = malloc(sizeof(float) * (G * max_len + 2 * G * D + G * max_fp));
+        int64_t *pos = malloc(sizeof(int64_t) * (max_fp + 1));
+        const char **rowp = malloc(sizeof(char *) * 2 * (max_fp + 1));
+        if (!sc || !pos || !rowp) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < B * Hkv; item++) {
-            if (!sc) continue;
-            int64_t b = item / Hkv, kvh = item % Hkv;
-            attend_any(q + rows[b] * q_row_stride + kvh * G * D, k_cache, v_cache,
-                       block_tables + b * table_stride, seq_lens[b],
-                       out + rows[b] * out_row_stride + kvh * G * D, G, Hkv, kvh, D, bs, scale, sc);
+            if (!sc || !pos || !rowp) continue;
+            const int64_t b = item / Hkv, kvh = item % Hkv, len = seq_lens[b];
+            float *qf = sc + G * max_len, *of = qf + G * D, *fpw = of + G * D;
+            const char *qp = (const char *)q + (rows[b] * q_row_stride + kvh * G * D) * qes;
+            if (qt == ELEM_BF16)
+                for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(((const uint16_t *)qp)[i]);
+            else
+                for (int64_t i = 0; i < G * D; i++) qf[i] = ((const float *)qp)[i];
+            fp_t fp = {0, pos, rowp, rowp + max_fp + 1};
+            if (fp_spans) {
+                const int64_t *sp = fp_spans + 5 * b, base = sp[0], p0 = len - 1;
+                const int64_t orow = Hkv * D * qes, off = kvh * D * qes;
+                for (int64_t p = sp[1]; p < sp[2] && p < p0; p++) {
+                    pos[fp.n] = p;
+                    fp.krow[fp.n] = (const char *)ov_k + (base + p) * orow + off;
+                    fp.vrow[fp.n++] = (const char *)ov_v + (base + p) * orow + off;
+                }
+                for (int64_t p = sp[3] > sp[2] ? sp[3] : sp[2]; R > 0 && p < p0; p++) {
+                    pos[fp.n] = p;
+                    fp.krow[fp.n] = (const char *)ov_k + (base + S + p % R) * orow + off;
+                    fp.vrow[fp.n++] = (const char *)ov_v + (base + S + p % R) * orow + off;
+                }
+                if (sp[4]) {
+                    pos[fp.n] = p0;
+                    fp.krow[fp.n] = (const char *)k_new + rows[b] * new_row_stride * qes + off;
+                    fp.vrow[fp.n++] = (const char *)v_new + rows[b] * new_row_stride * qes + off;
+                }
+            }
+            attend_item(&a, qf, block_tables + b * table_stride, len, of, kt, vt, G, kvh, sc,
+                       fp_spans ? &fp : NULL, fpw);
+            char *op = (char *)out + (rows[b] * out_row_stride + kvh * G * D) * qes;
+            if (qt == ELEM_BF16)
+                for (int64_t i = 0; i < G * D; i++) ((uint16_t *)op)[i] = f32_to_bf16(of[i]);
+            else
+                for (int64_t i = 0; i < G * D; i++) ((float *)op)[i] = of[i];
         }
         free(sc);
+        free(pos);
+        free(rowp);
     }
     return failed ? -1 : 0;
 }

@@ -1,10 +1,216 @@
-/* AVX2 helpers shared by the kernels in this folder. */
+/* Vector helpers shared by the kernels in this folder, for two instruction sets.
+ *
+ * Every source here is compiled twice (kvledger/model/native.py): once for AVX2+FMA+F16C
+ * (8 float lanes) and once with AVX-512 F/BW/VL/DQ (16 lanes), and -mavx512bf16 plus
+ * KVL_AVX512BF16 where the CPU has avx512_bf16. The kernels are written once against `vf`
+ * (VW float lanes) and the v* helpers; which library is loaded is chosen at run time from the
+ * CPU's flags (or KVLEDGER_NATIVE_ISA).
+ *
+ * Element types the kernels read (codes of kvledger.model.native.ELEM):
+ *   0 float32, 1 bfloat16, 2 float16, 3 int8 (quantised KV codes), 4 fp8 e4m3 (raw bytes).
+ * Conversions to float32 are exact: bf16 is the top half of a float32; fp16 via F16C; int8 via
+ * int32; e4m3 is rebuilt as the fp16 with the same mantissa and exponent field, which is the
+ * value / 256 (e4m3 subnormals become fp16 subnormals, converted exactly by F16C), and callers
+ * fold the 256 into the token's scale.
+ */
 #ifndef KVLEDGER_SIMD_H
 #define KVLEDGER_SIMD_H
 
 #include <immintrin.h>
+#include <stdint.h>
 
-/* Sum of the 8 lanes. */
+enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2, ELEM_I8 = 3, ELEM_FP8 = 4 };
+#define FP8_UNIT 256.0f /* e4m3 value = (fp16 rebuilt from its bits) * FP8_UNIT */
+
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vf;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline vf vfloor(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+/* Lanes summed pairwise in a fixed order (the result depends only on v). */
+static inline float vhsum(vf v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf vpow2i(vf fx) { /* 2^fx for integral fx in float range */
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23));
+}
+/* the first n (< 16) floats at p, the rest zero */
+static inline vf vload_tail(const float *p, int64_t n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf vload_bf16_tail(const uint16_t *p, int64_t n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p)), 16));
+}
+static inline vf vload_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vload_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vf vload_fp8(const uint8_t *p) {
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_cvtph_ps(h);
+}
+/* float32 -> bfloat16, round to nearest even (finite inputs), VW values. */
+static inline void vstore_bf16(uint16_t *p, vf v) {
+    __m512i x = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(
+        x, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1))));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+#else
+#define VW 8
+typedef __m256 vf;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf vfloor(vf a) { return _mm256_floor_ps(a); }
+static inline float vhsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf vpow2i(vf fx) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23));
+}
+static inline vf vload_tail(const float *p, int64_t n) { /* n < 8: never needed (K % 8 == 0) */
+    (void)n;
+    return _mm256_loadu_ps(p);
+}
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vload_bf16_tail(const uint16_t *p, int64_t n) {
+    (void)n;
+    return vload_bf16(p);
+}
+static inline vf vload_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vload_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf vload_fp8(const uint8_t *p) {
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
+                             _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+    return _mm256_cvtph_ps(h);
+}
+static inline void vstore_bf16(uint16_t *p, vf v) {
+    __m256i x = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(
+        x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1))));
+    r = _mm256_srli_epi32(r, 16);
+    /* pack the low 16 bits of 8 int32 lanes */
+    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+#endif
+
+/* VW elements of type `elem` at p (element offset already applied by the caller) as floats. */
+static inline __attribute__((always_inline)) vf vload_as(const void *p, int elem) {
+    switch (elem) {
+    case ELEM_BF16: return vload_bf16((const uint16_t *)p);
+    case ELEM_F16: return vload_f16((const uint16_t *)p);
+    case ELEM_I8: return vload_i8((const int8_t *)p);
+    case ELEM_FP8: return vload_fp8((const uint8_t *)p);
+    default: return vload((const float *)p);
+    }
+}
+
+/* The first min(n, VW) elements (AVX-512 with n < 16: masked, the other lanes zero; head_dim
+ * is a multiple of 8, so AVX2 never needs a partial vector). */
+static inline __attribute__((always_inline)) vf vload_as_n(const void *p, int elem, int64_t n) {
+#if defined(__AVX512F__)
+    if (n < VW) {
+        const __mmask16 m = (__mmask16)((1u << n) - 1);
+        switch (elem) {
+        case ELEM_BF16:
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+        case ELEM_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+        case ELEM_I8: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+        case ELEM_FP8: {
+            __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+            __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+            return _mm512_cvtph_ps(h);
+        }
+        default: return _mm512_maskz_loadu_ps(m, p);
+        }
+    }
+#else
+    (void)n;
+#endif
+    return vload_as(p, elem);
+}
+static inline __attribute__((always_inline)) void vstore_n(float *p, vf v, int64_t n) {
+#if defined(__AVX512F__)
+    if (n < VW) {
+        _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
+        return;
+    }
+#else
+    (void)n;
+#endif
+    vstore(p, v);
+}
+
+static inline int64_t elem_size(int elem) { return elem == ELEM_F32 ? 4 : (elem <= ELEM_F16 ? 2 : 1); }
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } c = {.u = (uint32_t)h << 16};
+    return c.f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c = {.f = f};
+    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* e^x, Cephes expf's range reduction and polynomial (~1 ulp), x clamped to [-87, 88]: below,
+ * the result is ~1e-38 instead of a denormal; above, finite instead of inf. */
+static inline vf vexp(vf x) {
+    x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
+    vf fx = vfloor(vfmadd(x, vset1(1.44269504088896341f), vset1(0.5f)));
+    x = vfnmadd(fx, vset1(0.693359375f), x);
+    x = vfnmadd(fx, vset1(-2.12194440e-4f), x);
+    vf y = vset1(1.9875691500e-4f);
+    y = vfmadd(y, x, vset1(1.3981999507e-3f));
+    y = vfmadd(y, x, vset1(8.3334519073e-3f));
+    y = vfmadd(y, x, vset1(4.1665795894e-2f));
+    y = vfmadd(y, x, vset1(1.6666665459e-1f));
+    y = vfmadd(y, x, vset1(5.0000001201e-1f));
+    y = vfmadd(y, vmul(x, x), vadd(x, vset1(1.0f)));
+    return vmul(y, vpow2i(fx));
+}
+
+/* 8-lane AVX2 versions, for the kernels that work on 8 floats at a time on both ISAs. */
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     __m128 h = _mm_movehdup_ps(s);
@@ -12,9 +218,6 @@ static inline float hsum8(__m256 v) {
     h = _mm_movehl_ps(h, s);
     return _mm_cvtss_f32(_mm_add_ss(s, h));
 }
-
-/* e^x, Cephes expf's range reduction and polynomial (~1 ulp), x clamped to [-87, 88]: below,
- * the result is ~1e-38 instead of a denormal; above, finite instead of inf. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 fx = _mm256_floor_ps(
@@ -31,6 +234,25 @@ static inline __m256 exp8(__m256 x) {
     __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+/* 8 bf16 <-> 8 floats */
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline void store8_bf16(uint16_t *p, __m256 v) {
+    __m256i x = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(
+        x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1))));
+    r = _mm256_srli_epi32(r, 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+/* bf16 rounding of 8 floats, kept as floats (what a torch bf16 op stores, read back). */
+static inline __m256 round8_bf16(__m256 v) {
+    __m256i x = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(
+        x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1))));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
 #endif
