@@ -497,12 +497,13 @@ def pick_check_indices(workload: list[dict[str, Any]], n: int = 8) -> list[int]:
 
 
 def hf_references(
-    model_path: str | Path, workload: list[dict[str, Any]], indices: list[int]
+    model_path: str | Path, workload: list[dict[str, Any]], indices: list[int], dtype: str = "float32"
 ) -> dict[int, tuple[list[int], list[float]]]:
-    """HF float32 greedy tokens (+ top-1/top-2 logit gaps), one request at a time, no padding."""
+    """HF greedy tokens (+ top-1/top-2 logit gaps) in `dtype` (float32: the oracle), one
+    request at a time, no padding."""
     from benchmarks.hf_static import hf_greedy_with_margins, load_hf_model
 
-    model = load_hf_model(model_path)
+    model = load_hf_model(model_path, dtype=dtype)
     r = workload
     return {
         i: hf_greedy_with_margins(model, r[i]["prompt_token_ids"], r[i]["max_tokens"])
@@ -530,6 +531,7 @@ def compare_tokens(ref: list[int], margins: list[float] | None, got: list[int]) 
 def exactness_report(
     refs: dict[int, tuple[list[int], list[float]]],
     outputs_by_engine: dict[str, list[list[int]]],
+    ref_name: str = "HF float32",
 ) -> dict[str, Any]:
     """Compare each engine's outputs with the HF references; print and return the verdicts.
 
@@ -540,7 +542,12 @@ def exactness_report(
     for name, outs in outputs_by_engine.items():
         rows = {i: compare_tokens(ref, gaps, outs[i]) for i, (ref, gaps) in refs.items()}
         ok = sum(r["match"] for r in rows.values())
-        print(f"exactness {name} vs HF float32 one-at-a-time: {ok}/{len(rows)} requests identical")
+        same = sum(min(r["len_ref"], r["len_got"]) if r["match"] else r["first_diff"] for r in rows.values())
+        total = sum(r["len_ref"] for r in rows.values())
+        print(
+            f"exactness {name} vs {ref_name} one-at-a-time: {ok}/{len(rows)} requests identical, "
+            f"{same}/{total} tokens before the first difference"
+        )
         for i, r in rows.items():
             if not r["match"]:
                 print(
@@ -548,7 +555,7 @@ def exactness_report(
                     f"(len ref {r['len_ref']}, got {r['len_got']}; "
                     f"HF top1-top2 logit gap there {fmt(r['ref_gap_at_diff'], '.2e')})"
                 )
-        report[name] = {"identical": ok, "checked": len(rows), "rows": rows}
+        report[name] = {"identical": ok, "checked": len(rows), "tokens_agreeing": same, "tokens": total, "rows": rows}
     return report
 
 
@@ -576,6 +583,8 @@ def run_kvledger(base_args: list[str], a: Any, result_json: Path) -> dict[str, A
         ("--block-size", a.block_size),
         ("--num-kv-blocks", a.num_kv_blocks),
         ("--max-num-batched-tokens", a.max_num_batched_tokens),
+        ("--dtype", getattr(a, "dtype", None)),
+        ("--kv-cache-dtype", getattr(a, "kv_cache_dtype", None)),
     ):
         if v is not None:
             args += [flag, str(v)]

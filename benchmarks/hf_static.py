@@ -57,14 +57,14 @@ class _FirstTokenClock:
         pass
 
 
-def load_hf_model(model_path: str | Path, threads: int | None = None):
-    """Load the float32 model for greedy generation with EOS disabled (ignore_eos)."""
+def load_hf_model(model_path: str | Path, threads: int | None = None, dtype: str = "float32"):
+    """Load the model (float32 unless told) for greedy generation with EOS disabled (ignore_eos)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype)).eval()
     gc = model.generation_config
     gc.eos_token_id = None  # ignore_eos: never stop early, never mask EOS
     gc.pad_token_id = 0

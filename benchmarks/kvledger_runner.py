@@ -46,6 +46,8 @@ def run_kvledger(
     max_num_batched_tokens: int | None = None,
     threads: int | None = None,
     warmup: bool = True,
+    dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Generate the whole workload in one ``llm.generate`` call; see module docstring."""
     import torch
@@ -60,11 +62,12 @@ def run_kvledger(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_dtype=None if kv_cache_dtype == "auto" else kv_cache_dtype,
         ).items()
         if v is not None
     }
     with Timer() as t_start:
-        llm = LLM(model=str(model_path), dtype="float32", **engine_kw)
+        llm = LLM(model=str(model_path), dtype=dtype, **engine_kw)
         if warmup:
             llm.generate(
                 [[5] * 8],
@@ -108,7 +111,7 @@ def run_kvledger(
         "ttfts_s": ttfts or None,
         "ttft_method": ttft_note,
         "contention": probe.as_dict(),
-        "settings": {"threads": torch.get_num_threads(), **engine_kw},
+        "settings": {"threads": torch.get_num_threads(), "dtype": dtype, **engine_kw},
         "outputs": token_ids,
         "peak_rss_mib": peak_rss_mib_self(),
     }
@@ -123,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-kv-blocks", type=int)
     ap.add_argument("--max-num-batched-tokens", type=int)
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_int8"])
     a = ap.parse_args(argv)
     res = run_kvledger(
         a.model,
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         num_kv_blocks=a.num_kv_blocks,
         max_num_batched_tokens=a.max_num_batched_tokens,
         threads=a.threads,
+        dtype=a.dtype,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
     save_json(res, a.result_json)
     print(f"[kvledger_runner] {res['tok_per_s']:.1f} tok/s, wall {res['wall_s']:.2f} s")

@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32, help="vLLM CPU attention needs 32")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--enforce-eager", action="store_true", help="skip torch.compile")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--no-stats", action="store_true", help="disable_log_stats=True (no TTFT)")
     a = ap.parse_args()
 
@@ -155,7 +156,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(
         model=a.model_dir,
-        dtype="float32",
+        dtype=a.dtype,
         block_size=a.block_size,
         max_model_len=a.max_model_len,
         seed=0,
@@ -220,6 +221,7 @@ def main() -> None:
         },
         "settings": {
             "threads": a.threads,
+            "dtype": a.dtype,
             "kv_space_gib": a.kv_space_gib,
             "block_size": a.block_size,
             "max_model_len": a.max_model_len,

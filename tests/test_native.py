@@ -474,3 +474,31 @@ def test_bf16_request_alone_is_bit_identical_to_the_same_request_in_a_full_batch
     assert [o.token_ids for o in batch] == [o.token_ids for o in alone]
     assert [o.cumulative_logprob for o in batch] == [o.cumulative_logprob for o in alone]
     assert llm.ledger().used_blocks == 0
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_write_is_bit_identical_to_kv_quant(isa, fmt, dtype):
+    """The native write stores exactly kv_quant.quantize's codes and scales (rounding ties,
+    e4m3 subnormals, zero rows and outliers included), at the given slots only."""
+    g = torch.Generator().manual_seed(len(fmt))
+    t, hkv, d = 37, 2, 64
+    k = torch.randn(t, hkv, d, generator=g) * torch.logspace(-6, 3, t)[:, None, None]
+    k[3] = 0.0  # absmax 0: the smallest scale, codes 0
+    k[4, 0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, 1e-9, -3e-3, 448.0, 127.0])
+    v = torch.randn(t, hkv, d, generator=g) * 3
+    qkv = torch.cat([k, v], dim=1).to(dtype)  # strided views, as inside a fused qkv output
+    k, v = qkv[:, :hkv], qkv[:, hkv:]
+    pool = KVCachePool(1, 8, 8, hkv, d, dtype, kv_cache_dtype=fmt)
+    layer = pool.layers[0]
+    slots = torch.randperm(64, generator=g)[:t]
+    native.quantize_write(layer, k, v, slots)
+    k_fmt, v_fmt = kv_quant.KV_FORMATS[fmt]
+    for x, f, codes, scales in ((k, k_fmt, layer.k_codes, layer.k_scales), (v, v_fmt, layer.v_codes, layer.v_scales)):
+        c, s = kv_quant.quantize(x, f)
+        assert torch.equal(codes.view(64, hkv, d)[slots], c)
+        assert torch.equal(scales.view(64, hkv)[slots], s)
+        others = torch.ones(64, dtype=torch.bool)
+        others[slots] = False
+        assert not codes.view(64, hkv, d)[others].any(), "other slots untouched"

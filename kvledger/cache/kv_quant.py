@@ -142,6 +142,13 @@ class QuantizedPagedKVCache:
         self.overlay_v: torch.Tensor | None = None
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        from kvledger.model import (
+            native,  # the model side: imported on first write, not by the scheduler
+        )
+
+        if native.can_quantize_write(k) and k.dtype == self.dtype:
+            native.quantize_write(self, k, v, slot_mapping)  # the same codes and scales, one call
+            return
         kc, ks = quantize(k, self.k_fmt)
         vc, vs = quantize(v, self.v_fmt)
         self._k_slots.index_copy_(0, slot_mapping, kc)

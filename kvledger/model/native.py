@@ -128,7 +128,7 @@ def build(cc: str | None = None, out_dir: Path | None = None, isa: str = "avx2")
                     proc.kill()
                     proc.wait()
         tmp = os.path.join(work, "lib.so")
-        subprocess.run([cc_path, *flags, "-o", tmp, *objects], check=True, capture_output=True, timeout=300)
+        subprocess.run([cc_path, *flags, "-o", tmp, *objects, "-lm"], check=True, capture_output=True, timeout=300)
         os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
     return target
 
@@ -184,6 +184,11 @@ def library() -> ctypes.CDLL | None:
         fn.argtypes = [ptr, ptr, ptr, i64, i64, c_float, c_int]
     for fn in (lib.kvl_silu_mul, lib.kvl_silu_mul_bf16):
         fn.argtypes = [ptr, ptr, i64, i64, c_int]
+    lib.kvl_quantize_write.argtypes = [ptr, ptr, i64, c_int, ptr, i64, i64, i64, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
+    for fn in (lib.kvl_small_gemm, lib.kvl_small_gemm_bf16, lib.kvl_paged_decode, lib.kvl_rope_inplace,
+               lib.kvl_rope_inplace_bf16, lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul,
+               lib.kvl_silu_mul_bf16, lib.kvl_quantize_write):
+        fn.restype = c_int
     lib.isa = isa
     lib.vector_width = lib.kvl_vector_width()
     return lib
@@ -273,6 +278,30 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if rc != 0:
         raise ValueError(f"small_gemm: unsupported shape x {tuple(x.shape)} weight {tuple(weight.shape)}")
     return y
+
+
+def can_quantize_write(k: torch.Tensor) -> bool:
+    """quantize_write takes these new rows: CPU, float32 or bfloat16, head_dim <= 256."""
+    return k.device.type == "cpu" and k.dtype in (torch.float32, torch.bfloat16) and k.shape[-1] <= 256 and library() is not None
+
+
+def quantize_write(layer_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_quant.QuantizedPagedKVCache.write in one native call: codes and float16 scales of the
+    new rows k, v [T, Hkv, D] at their slots, bit-identical to kv_quant.quantize (csrc/kv_quant.c)."""
+    if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != k.shape[2]:
+        k, v = k.contiguous(), v.contiguous()
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+    slots = slots.contiguous()
+    t, hkv, d = k.shape
+    _check(
+        library().kvl_quantize_write(
+            k.data_ptr(), v.data_ptr(), k.stride(0), ELEM[k.dtype], slots.data_ptr(), t, hkv, d,
+            layer_cache.k_codes.data_ptr(), layer_cache.v_codes.data_ptr(), ELEM[layer_cache.k_fmt],
+            ELEM[layer_cache.v_fmt], layer_cache.k_scales.data_ptr(), layer_cache.v_scales.data_ptr(),
+            torch.get_num_threads(),
+        ),
+        "quantize_write",
+    )
 
 
 def cache_elems(layer_cache) -> tuple[int, int] | None:
