@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 import torch
@@ -28,12 +29,16 @@ L3_BYTES = 96 << 20  # cycle through at least this much data per measurement
 
 
 def timeit(fn, reps: int) -> float:
+    """Median milliseconds per call: on a shared machine a mean is dominated by the calls that
+    lost their core to another process; the median is the kernel's own time."""
     for i in range(3):
         fn(i)
-    t = time.perf_counter()
+    times = []
     for i in range(reps):
+        t = time.perf_counter()
         fn(i)
-    return (time.perf_counter() - t) / reps * 1e3
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
 
 
 def row(name: str, ours: float, peer: float, peer_name: str) -> None:
