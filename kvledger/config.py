@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvledger.cache.kv_events import KVEventsConfig
 from kvledger.errors import ConfigError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "fp8_int8")
@@ -94,8 +95,11 @@ class EngineConfig:
     generation_config: str = "auto"
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (see core/cuda_graphs.py)
+    # vLLM's --kv-events-config: a KVEventsConfig, a dict or its JSON text; None: no events.
+    kv_events_config: KVEventsConfig | dict | str | None = None
 
     def validate(self) -> None:
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         if self.dtype not in DTYPE_ALIASES:
             raise ConfigError(
                 f"dtype must be one of {', '.join(DTYPE_ALIASES)}; got {self.dtype!r}"

@@ -11,6 +11,13 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+from kvledger.cache.kv_events import (
+    MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from kvledger.errors import CacheError, OutOfBlocksError
 
 
@@ -46,6 +53,17 @@ class BlockPool:
         self._hash_index: dict[int, int] = {}
         self.num_cached_free = 0  # free blocks still holding a reusable prefix
         self.num_evictions = 0
+        # KV events (vLLM's format) for changes of the prefix index, when the engine publishes
+        # them; None: not recorded. Drained once per step by take_events().
+        self.events: list[KVCacheEvent] | None = None
+
+    def enable_events(self) -> None:
+        self.events = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (empty when events are off)."""
+        out, self.events = self.events, ([] if self.events is not None else None)
+        return out or []
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -129,8 +147,11 @@ class BlockPool:
         token_ids: tuple[int, ...],
         parent_block_id: int | None,
         salt: str | None = None,
+        parent_hash: int | None = None,
     ) -> None:
-        """Publish a just-filled block under its prefix hash (first writer wins)."""
+        """Publish a just-filled block under its prefix hash (first writer wins).
+
+        ``parent_hash`` (the previous block's chained hash) only goes into the KV event."""
         if not self.enable_caching:
             return
         blk = self.blocks[block_id]
@@ -140,11 +161,24 @@ class BlockPool:
         blk.token_ids = token_ids
         blk.parent_block_id = parent_block_id
         blk.salt = salt
-        self._hash_index.setdefault(block_hash, block_id)
+        if self._hash_index.setdefault(block_hash, block_id) == block_id and self.events is not None:
+            # Events follow the index: a duplicate of an indexed block is not findable, so not news.
+            self.events.append(
+                BlockStored(
+                    block_hashes=[block_hash],
+                    parent_block_hash=parent_hash,
+                    token_ids=list(token_ids),
+                    block_size=len(token_ids),
+                    lora_id=None,
+                    medium=MEDIUM,
+                )
+            )
 
-    def _evict(self, blk: KVBlock) -> None:
+    def _evict(self, blk: KVBlock, record: bool = True) -> None:
         if self._hash_index.get(blk.block_hash) == blk.block_id:
             del self._hash_index[blk.block_hash]
+            if record and self.events is not None:
+                self.events.append(BlockRemoved(block_hashes=[blk.block_hash], medium=MEDIUM))
         if blk.ref_cnt == 0:
             self.num_cached_free -= 1
         blk.block_hash = None
@@ -156,14 +190,28 @@ class BlockPool:
     def reset_prefix_cache(self) -> int:
         """Forget every cached-but-free prefix; returns how many blocks were dropped."""
         dropped = 0
+        removed = []
         for block_id in list(self._free):
             blk = self.blocks[block_id]
             if blk.block_hash is not None:
-                self._evict(blk)
+                if self._hash_index.get(blk.block_hash) == block_id:
+                    removed.append(blk.block_hash)
+                self._evict(blk, record=False)
                 self.num_evictions -= 1
                 self._free.move_to_end(block_id, last=False)
                 dropped += 1
+        if self.events is not None:
+            # Nothing left in the index (the engine resets only when no block is in use): one
+            # AllBlocksCleared says it, as vLLM; otherwise the removed hashes, so a view stays exact.
+            if not self._hash_index:
+                self.events.append(AllBlocksCleared())
+            elif removed:
+                self.events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
         return dropped
+
+    def cached_hashes(self) -> set[int]:
+        """Hashes a prefix lookup can find now (what a KV-event subscriber should hold)."""
+        return set(self._hash_index)
 
     def check_invariants(self) -> None:
         """Assert the pool's internal consistency (used by tests and debug builds)."""

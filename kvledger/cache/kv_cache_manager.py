@@ -384,7 +384,7 @@ class KVCacheManager:
             parent_id = req.block_table[i - 1] if i > 0 else None
             if req.block_table[i] >= 0:  # not a block released from the window
                 self.pool.register_full_block(
-                    req.block_table[i], h, tokens, parent_id, req.salt if i == 0 else None
+                    req.block_table[i], h, tokens, parent_id, req.salt if i == 0 else None, parent_hash
                 )
             req.block_hashes.append(h)
             parent_hash = h

@@ -49,6 +49,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CUDA: fraction of GPU memory for weights + activations + KV cache (from a profiling run)",
     )
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode")
+    g.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV-events JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,6 +87,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.enforce_eager:
         kw["enforce_eager"] = True
+    if getattr(args, "kv_events_config", None) is not None:
+        kw["kv_events_config"] = args.kv_events_config  # JSON text, parsed by EngineConfig
     if args.kv_cache_memory is not None:
         kw["kv_cache_memory"] = parse_size(args.kv_cache_memory)
     if args.max_model_len is not None:

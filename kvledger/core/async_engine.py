@@ -125,6 +125,7 @@ class AsyncEngine:
             for rid in list(self.engine.groups):
                 self.engine.abort_request(rid)
         self._fail_all(EngineDeadError("the server is shutting down"))
+        self.engine.shutdown()  # closes the KV-event sockets
 
     @property
     def is_running(self) -> bool:

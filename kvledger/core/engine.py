@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvledger.cache.kv_cache_manager import cdiv
+from kvledger.cache.kv_events import make_batch, make_publisher
 from kvledger.cache.kv_quant import SINK_CACHE_ENTRIES
 from kvledger.config import EngineConfig
 from kvledger.core.detokenizer import IncrementalDetokenizer
@@ -130,6 +131,10 @@ class LLMEngine:
             sc, cc, num_blocks, self.bytes_per_token, self.cost_model, self.spec.uniform_window
         )
         self.kv = self.scheduler.kv
+        # KV events: recorded by the pool where its prefix index changes, published per step.
+        self.kv_event_publisher = make_publisher(config.kv_events_config)
+        if self.kv_event_publisher is not None:
+            self.kv.pool.enable_events()
         num_host_blocks = self.kv.host_pool.num_blocks if self.kv.host_pool else 0
         self.host_pool = HostKVPool(num_host_blocks, self.kv_pool) if num_host_blocks else None
         self.runner = ModelRunner(
@@ -183,6 +188,21 @@ class LLMEngine:
         self.stream_outputs = False  # True: step() reports every updated request (servers)
         self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """Hand the pool's events since the last call to the publisher (its thread sends)."""
+        if self.kv_event_publisher is not None:
+            events = self.kv.pool.take_events()
+            if events:
+                self.kv_event_publisher.publish(make_batch(events))
+
+    def shutdown(self) -> None:
+        """Flush and close the KV-event publisher (its sockets free their ports)."""
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
+            self.kv_event_publisher.shutdown()
+            self.kv_event_publisher = None
 
     # -- sizing -------------------------------------------------------------------------------
     def _plan_overlay(self, kv_dtype: str) -> tuple[int, int]:
@@ -372,6 +392,7 @@ class LLMEngine:
             return False
         dropped = self.kv.pool.reset_prefix_cache()
         logger.info("prefix cache reset: %d cached blocks dropped", dropped)
+        self._publish_kv_events()
         return True
 
     # -- the step ------------------------------------------------------------------------------
@@ -393,6 +414,7 @@ class LLMEngine:
         for req in so.finished:
             touched.add(req.parent_id or req.request_id)
         self.runner.release_finished()
+        self._publish_kv_events()
         return self._collect_outputs(touched)
 
     def _fork_children(self, req: Request) -> list[Request]:
