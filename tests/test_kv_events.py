@@ -4,7 +4,9 @@ preemptions and a prefix-cache reset; the replay socket returns missed batches b
 
 from __future__ import annotations
 
+import json
 import random
+import signal
 import time
 
 import msgspec
@@ -199,3 +201,38 @@ def test_cli_flag_reaches_the_engine_config():
     cfg = build_engine_config("m", **engine_kwargs(args))
     cfg.validate()
     assert cfg.kv_events_config == KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic="t")
+
+
+def test_serve_publishes_events(tmp_path):
+    """`kvledger serve --kv-events-config`: a completion's prompt blocks come back by replay."""
+    from test_server import STORIES, ServerProcess
+
+    if not (STORIES / "config.json").exists():
+        pytest.skip(f"stories260k not found at {STORIES}")
+    from transformers import AutoTokenizer
+
+    cfg = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/ev",
+           "replay_endpoint": f"ipc://{tmp_path}/replay", "topic": "kv@test"}
+    srv = ServerProcess(str(STORIES), "--torch-threads", "1", "--block-size", "4",
+                        "--kv-events-config", json.dumps(cfg), log_path=tmp_path / "serve.log")
+    ctx = zmq.Context()
+    try:
+        srv.wait_ready()
+        prompt = "Tom and his dog Max went to the big green park."
+        out = srv.client(api_key="x").completions.create(
+            model=str(STORIES), prompt=prompt, max_tokens=8, temperature=0
+        )
+        assert out.usage.prompt_tokens >= 8
+        ids = AutoTokenizer.from_pretrained(str(STORIES))(prompt)["input_ids"]
+        view = View()
+        deadline = time.monotonic() + 10
+        while not view.blocks and time.monotonic() < deadline:
+            replay(ctx, cfg["replay_endpoint"], view)
+            time.sleep(0.1)
+        first = [tokens for parent, tokens in view.blocks.values() if parent is None]
+        assert tuple(ids[:4]) in first
+        assert len(view.blocks) >= len(ids) // 4  # every full prompt block, chained
+    finally:
+        ctx.term()
+        assert srv.stop() in (0, -signal.SIGTERM), srv.log()
+        assert "Traceback" not in srv.log(), srv.log()
