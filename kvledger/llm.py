@@ -170,8 +170,10 @@ class LLM:
         if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m for m in conv):
             raise InvalidRequestError("each message must be a dict with a 'role' (and 'content')")
         try:
+            from kvledger.server.tools import template_messages
+
             return self.get_tokenizer().apply_chat_template(
-                conv,
+                template_messages(conv),  # tool-call arguments as dicts, as templates expect
                 chat_template=template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,

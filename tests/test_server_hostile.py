@@ -114,9 +114,9 @@ def _bodies() -> list[tuple[str, str | bytes]]:
     ]  # fmt: skip
     policy = [
         chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-        comp(guided_json={"type": "object"}), chat(tools=[{"type": "function"}]),
-        chat(tool_choice="required"), comp(use_beam_search=True),
-        comp(structured_outputs={"regex": "a+"}), comp(foo=1), comp(stream_options={}),
+        comp(guided_json={"type": "nonsense"}), chat(tools=[{"type": "function"}]),
+        chat(tool_choice="required"), comp(use_beam_search=True), comp(tools=[{"type": "x"}]),
+        comp(structured_outputs={"regex": "a("}), comp(foo=1), comp(stream_options={}),
         comp(suffix="end"), comp(prompt=[1, 2], echo=True), comp(cache_salt="s"),
         chat(chat_template="{{ 1 }}"), comp(logprobs=3, logprob_token_ids=[1]),
     ]  # fmt: skip
@@ -180,9 +180,9 @@ def _idle(srv: ServerProcess, timeout: float = 30.0) -> dict:
 
 def test_refusals_name_the_field(srv):
     cases = {
-        "response_format": {"type": "json_object"},
-        "guided_regex": "a+",
-        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "response_format": {"type": "xml"},
+        "guided_regex": "a(",
+        "tools": [{"type": "function"}],
         "use_beam_search": True,
         "no_such_field": 3,
     }

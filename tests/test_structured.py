@@ -112,3 +112,22 @@ def test_preempted_constrained_requests_resume_exactly(stories_path, llm, mode):
     assert tight.ledger().preemptions[mode] > 0
     for schema, out in zip(schemas, outs):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_llm_chat_renders_tools_and_tool_history(llm):
+    template = (
+        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.name }}:"
+        "{{ c.function.arguments.city }};{% endfor %}{{ m.content or '' }}|{% endfor %}"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    out = llm.chat(history, sp, chat_template=template, tools=tools, use_tqdm=False)[0]
+    # The JSON-string arguments reach the template as a dict (c.function.arguments.city).
+    assert out.prompt == "[get_weather]Weather?|get_weather:Oslo;|sunny|"

@@ -90,6 +90,23 @@ def add_parser(subparsers: Any) -> None:
         help="Jinja chat template, as a file or the template itself (default: the tokenizer's)",
     )
     p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto": the --tool-call-parser finds tool calls in the text',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "mistral", "pythonic"],
+        help="the model family's tool-call format, for tool_choice auto",
+    )
+    p.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help='JSON defaults for structured outputs, e.g. \'{"disable_any_whitespace": true}\' '
+        "(backend: xgrammar only)",
+    )
+    p.add_argument(
         "--max-body-bytes",
         default="1MiB",
         help="larger request bodies get a 413 (default: 1MiB)",
@@ -188,6 +205,11 @@ def run(args: argparse.Namespace) -> int:
     if max_body <= 0:
         raise ConfigError("--max-body-bytes must be positive")
     template = load_chat_template(args.chat_template) if args.chat_template else None
+    from kvledger.server.structured_fields import parse_structured_outputs_config
+
+    so_config = parse_structured_outputs_config(args.structured_outputs_config)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
     api_keys = api_keys_from(args.api_key)
     for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
         path = getattr(args, flag)
@@ -230,6 +252,9 @@ def run(args: argparse.Namespace) -> int:
         allowed_headers=args.allowed_headers,
         root_path=args.root_path or "",
         log_requests=not args.disable_log_requests,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        structured_outputs_config=so_config,
     )
     scheme = "https" if args.ssl_certfile else "http"
     if config.dashboard:

@@ -13,6 +13,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
@@ -47,6 +48,9 @@ class ServerConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     root_path: str = ""  # a proxy's path prefix
     log_requests: bool = True
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: str | None = None  # kvledger.server.tools.TOOL_PARSERS
+    structured_outputs_config: dict[str, Any] = field(default_factory=dict)  # server defaults
 
     @property
     def api_keys(self) -> list[str]:

@@ -52,28 +52,18 @@ SAMPLING_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logprob_token_ids": (None, []),
 }
 
-_STRUCTURED = "structured outputs (JSON schema, regex, grammar, choice) are not implemented yet"
-_TOOLS = "tool calling is not implemented yet"
+_CHAT_ONLY = "tool calling is served by /v1/chat/completions"
+_TOOLS = "the legacy functions / function_call fields are not served; use tools / tool_choice"
 _MULTIMODAL = "this server serves text-only models"
 _REASONING = "this server has no reasoning parser"
 _DISAGG = "this server has no KV transfer between instances"
 
 # Field -> (values that mean "off", why any other value is refused).
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    # structured outputs (issue 16 replaces these rows)
-    "response_format": ((None, {"type": "text"}), _STRUCTURED),
-    "structured_outputs": ((None,), _STRUCTURED),
-    "guided_json": ((None,), _STRUCTURED),
-    "guided_regex": ((None,), _STRUCTURED),
-    "guided_choice": ((None,), _STRUCTURED),
-    "guided_grammar": ((None,), _STRUCTURED),
-    "guided_json_object": ((None, False), _STRUCTURED),
-    "guided_decoding_backend": ((None,), _STRUCTURED),
-    "guided_whitespace_pattern": ((None,), _STRUCTURED),
-    # tools
-    "tools": ((None, []), _TOOLS),
-    "tool_choice": ((None, "none", "auto"), _TOOLS),
-    "parallel_tool_calls": ((None, True, False), _TOOLS),
+    # tools: served by /v1/chat/completions (which declares them); refused on completions
+    "tools": ((None, []), _CHAT_ONLY),
+    "tool_choice": ((None, "none"), _CHAT_ONLY),
+    "parallel_tool_calls": ((None, True, False), _CHAT_ONLY),
     "functions": ((None, []), _TOOLS),
     "function_call": ((None, "none", "auto"), _TOOLS),
     # decoding modes kvledger does not have

@@ -87,6 +87,16 @@ class _SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     priority: Int64 = 0  # lower runs first under --victim-policy priority
     request_id: str | None = Field(None, max_length=128)
+    # Structured outputs (kvledger/server/structured_fields.py): OpenAI's and vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None
@@ -192,6 +202,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[TextContentPart | dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # role "tool": the call this result answers
 
     def text(self) -> str:
         """vLLM's string content format: text parts joined by newlines."""
@@ -219,6 +231,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool | None = None  # None: BOS unless the template wrote it
     chat_template_kwargs: dict[str, Any] | None = None
     echo: Literal[False] = False  # vLLM's echo of the last message: not implemented
+    tools: list[dict[str, Any]] | None = None  # kvledger/server/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -241,6 +256,10 @@ class ChatCompletionRequest(_SamplingFields):
             d = {"role": m.role, "content": m.text()}
             if m.name:
                 d["name"] = m.name
+            if m.tool_calls:
+                d["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out
 
@@ -348,6 +367,7 @@ class ChatLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # OpenAI's shape
 
 
 class ChatChoice(_Response):
@@ -382,6 +402,7 @@ class DetokenizeResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # fragments with an "index"
 
 
 class ChatStreamChoice(_Response):

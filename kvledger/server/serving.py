@@ -22,6 +22,7 @@ from kvledger.server.protocol import (
     TopLogprob,
 )
 from kvledger.server.streaming import merged
+from kvledger.server.tools import template_messages
 
 logger = logging.getLogger("kvledger.server")
 
@@ -130,6 +131,7 @@ class ServingContext:
         add_generation_prompt: bool,
         continue_final_message: bool,
         chat_template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The conversation through the chat template; every failure is the client's 400."""
         if self.tokenizer is None:
@@ -150,8 +152,10 @@ class ServingContext:
                 param="chat_template_kwargs",
             )  # fmt: skip
         try:
+            if tools:
+                extra["tools"] = tools
             text = self.tokenizer.apply_chat_template(
-                conversation,
+                template_messages(conversation),  # tool-call arguments as dicts
                 chat_template=self.chat_template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,

@@ -24,6 +24,7 @@ from kvledger.server.protocol import (
 )
 from kvledger.server.serving import ServingContext, chat_logprobs, render_prompt_logprobs
 from kvledger.server.streaming import SSEResponse, sse, sse_stream, until_disconnect, usage_of
+from kvledger.server.tools import chat_constraint, tool_output
 
 MAX_MESSAGES = 4096  # a chat request's messages (the body limit bounds them too)
 
@@ -35,6 +36,10 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         ctx.check_model(body.model)
         params = body.to_sampling_params(ctx.sampling_defaults)
+        cfg = ctx.config
+        auto_tools = cfg.enable_auto_tool_choice and cfg.tool_call_parser is not None
+        tool_choice = chat_constraint(body, params, cfg.structured_outputs_config, auto_tools)
+        parser = cfg.tool_call_parser
         params.output_kind = RequestOutputKind.DELTA  # the engine sends only what is new
         ctx.check_params(params)
         if len(body.messages) > MAX_MESSAGES:
@@ -44,6 +49,7 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
             body.add_generation_prompt,
             body.continue_final_message,
             body.chat_template_kwargs,
+            body.tools,
         )
         add_special = body.add_special_tokens
         if add_special is None:
@@ -61,12 +67,26 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
                     )
                 )
 
+            # With tools in play a choice's text is held until it ends, then sent as content
+            # and/or delta.tool_calls (one fragment per call): streaming == non-streaming.
+            held: dict[int, str] = {}
+
             def render(
                 i: int, index: int, out: RequestOutput, c: CompletionOutput, step: Any, first: bool
             ) -> list[str]:
                 if step is None:
                     return []
                 text, _, finished = step
+                if tool_choice.mode != "none":
+                    held[index] = held.get(index, "") + text
+                    if not finished:
+                        return []
+                    content, calls, finish = tool_output(
+                        tool_choice, parser, held.pop(index), c.finish_reason
+                    )
+                    fragments = [t.to_openai(index=k) for k, t in enumerate(calls)]
+                    delta = DeltaMessage(content=content, tool_calls=fragments or None)
+                    return [chunk([ChatStreamChoice(index=index, delta=delta, finish_reason=finish)])]
                 lps = None
                 if c.logprobs is not None:
                     lps = chat_logprobs(c.logprobs, params.logprobs or 0)
@@ -92,18 +112,22 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
         if outs is None:
             return Response(status_code=499)
         (out,) = outs
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=chat_logprobs(c.logprobs, params.logprobs or 0)
-                if c.logprobs is not None
-                else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in out.outputs:
+            content, calls, finish = tool_output(tool_choice, parser, c.text, c.finish_reason)
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(
+                        content=content, tool_calls=[t.to_openai() for t in calls]
+                    ),
+                    logprobs=chat_logprobs(c.logprobs, params.logprobs or 0)
+                    if c.logprobs is not None
+                    else None,
+                    finish_reason=finish,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in out.outputs
-        ]
         resp = ChatCompletionResponse(
             id=rid,
             created=created,

@@ -20,6 +20,7 @@ from kvledger.server.serving import (
     render_prompt_logprobs,
 )
 from kvledger.server.streaming import SSEResponse, sse, sse_stream, until_disconnect, usage_of
+from kvledger.server.structured_fields import structured_params
 
 
 def mount_completions(app: FastAPI, ctx: ServingContext) -> None:
@@ -29,6 +30,7 @@ def mount_completions(app: FastAPI, ctx: ServingContext) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         ctx.check_model(body.model)
         params = body.to_sampling_params(ctx.sampling_defaults)
+        params.structured_outputs = structured_params(body, ctx.config.structured_outputs_config)
         params.output_kind = RequestOutputKind.DELTA  # the engine sends only what is new
         prompts = body.prompts()
         ctx.check_params(params, len(prompts))

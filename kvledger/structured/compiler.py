@@ -27,7 +27,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.max_cached = max_cached
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvledger-grammar")
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="kvledger-grammar", initializer=_lower_priority
+        )
         self._cache: dict[tuple, Future] = {}
         self._lock = threading.Lock()
         self._compiler = None  # xgrammar.GrammarCompiler, built in the worker
@@ -69,3 +71,13 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_priority() -> None:
+    """The compile thread yields the CPU to the step loop when cores are contended."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: same priority
+        pass

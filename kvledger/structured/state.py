@@ -8,7 +8,7 @@ accepted (appended) tokens. n > 1 children fork the parent's matcher before any 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,27 @@ class GrammarState:
             logger.error("grammar rejected sampled token %d; ending the request", token)
             return True
         return m.is_terminated()
+
+
+class MaskFiller:
+    """Fills the step's bitmask in a helper thread while the model's forward pass runs.
+
+    The matchers' states for a step are final once the previous step's tokens are accepted,
+    so the mask (xgrammar releases the GIL while filling) overlaps the forward pass instead
+    of adding to the step; the sampler waits for it only when the logits are ready.
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, owners: list) -> Future | None:
+        states = [r.grammar for r in owners]
+        if all(s is None for s in states):
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvledger-mask")
+        vocab = next(s for s in states if s is not None).future.result().tokenizer_info.vocab_size
+        return self._pool.submit(fill_bitmask, states, vocab)
 
 
 def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
