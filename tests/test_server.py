@@ -216,6 +216,22 @@ def test_streamed_chunks_reassemble_to_the_same_text(client):
     assert len(usage) == 1 and usage[0].completion_tokens == 60 and usage[0].prompt_tokens == 5
 
 
+def test_return_token_ids_streamed_add_up_to_the_non_streamed_ids(client):
+    """vLLM's return_token_ids: the benchmark against vLLM's server compares greedy tokens."""
+    prompt = "Once upon a time"
+    extra = {"return_token_ids": True}
+    full = greedy(client, prompt, max_tokens=20, extra_body=extra).choices[0]
+    assert len(full.model_extra["token_ids"]) == 20 and full.model_extra["prompt_token_ids"]
+    ids, prompt_ids = [], []
+    for chunk in greedy(client, prompt, max_tokens=20, stream=True, extra_body=extra):
+        for c in chunk.choices:
+            ids += c.model_extra["token_ids"] or []
+            prompt_ids.append(c.model_extra["prompt_token_ids"])
+    assert ids == full.model_extra["token_ids"]
+    assert prompt_ids[0] == full.model_extra["prompt_token_ids"]
+    assert all(p is None for p in prompt_ids[1:])
+
+
 def test_n2_and_seed_stream_matches_non_stream(client):
     kw = dict(model=NAME, prompt="Once upon a time", max_tokens=24, temperature=1.0, seed=7, n=2)
     r = client.completions.create(**kw)

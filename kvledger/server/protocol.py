@@ -167,6 +167,7 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, ge=1, le=INT64_MAX)
     suffix: str | None = None
     add_special_tokens: bool = True
+    return_token_ids: bool | None = None  # vLLM's extension: token ids beside the text
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -339,6 +340,10 @@ class CompletionChoice(_Response):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    # vLLM's extension (return_token_ids): streamed, token_ids is each chunk's delta and
+    # prompt_token_ids comes in a choice's first chunk only.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Response):

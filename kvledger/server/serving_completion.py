@@ -38,6 +38,7 @@ def mount_completions(app: FastAPI, ctx: ServingContext) -> None:
         created = int(time.time())
         streams = await ctx.add_all(prompts, params, rid, body.priority, body.add_special_tokens)
         echo = [p if isinstance(p, str) else "" for p in prompts] if body.echo else None
+        ids = bool(body.return_token_ids)
 
         def response(choices: list[CompletionChoice], usage: Any = None) -> CompletionResponse:
             return CompletionResponse(
@@ -45,6 +46,7 @@ def mount_completions(app: FastAPI, ctx: ServingContext) -> None:
             )
 
         if body.stream:
+            ids_sent: set[int] = set()  # choices whose prompt_token_ids went out
 
             def render(
                 i: int, index: int, out: RequestOutput, c: CompletionOutput, step: Any, first: bool
@@ -58,6 +60,8 @@ def mount_completions(app: FastAPI, ctx: ServingContext) -> None:
                     chunks.append(
                         sse(response([CompletionChoice(index=index, text=prefix, logprobs=lps)]))
                     )
+                if step is None and ids and c.token_ids:
+                    step = ("", 0, False)  # token ids whose text is held back
                 if step is not None:
                     text, offset, finished = step
                     lps = None
@@ -70,6 +74,11 @@ def mount_completions(app: FastAPI, ctx: ServingContext) -> None:
                         finish_reason=c.finish_reason if finished else None,
                         stop_reason=c.stop_reason if finished else None,
                     )
+                    if ids:
+                        choice.token_ids = list(c.token_ids)
+                        if index not in ids_sent:
+                            ids_sent.add(index)
+                            choice.prompt_token_ids = list(streams[i].prompt_token_ids)
                     chunks.append(sse(response([choice])))
                 return chunks
 
@@ -102,6 +111,8 @@ def mount_completions(app: FastAPI, ctx: ServingContext) -> None:
                         prompt_logprobs=render_prompt_logprobs(out.prompt_logprobs)
                         if params.prompt_logprobs is not None
                         else None,
+                        prompt_token_ids=list(streams[i].prompt_token_ids) if ids else None,
+                        token_ids=list(c.token_ids) if ids else None,
                     )
                 )
         usage = usage_of(outs, [len(s.prompt_token_ids) for s in streams])

