@@ -21,7 +21,9 @@ an ``httpx`` async client keeping ``C`` requests in flight, after a short warm-u
 
 Figures per run: generated tok/s over the timed phase; TTFT (request sent -> first chunk
 carrying a token) p50/p99; inter-token latency (gap between consecutive token-bearing chunks,
-as vLLM's ``bench serve`` ITL) p50/p99; the foreign CPU (other processes' cores meanwhile).
+as vLLM's ``bench serve`` ITL) p50/p99; server CPU ms per generated token (utime+stime of the
+server's whole process tree: vLLM's engine core is a child), the figure least moved by other
+jobs on a shared machine; the foreign CPU (other processes' cores meanwhile).
 Greedy tokens of both engines are compared request by request.
 """
 
@@ -143,7 +145,10 @@ def kvledger_server(folder: Path, a: argparse.Namespace, log: Path) -> Server:
         "--kv-cache-memory", f"{a.kv_gib}GiB", "--max-model-len", str(a.max_model_len),
         "--log-level", "warning", *a.kvledger_args.split(),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO_ROOT) not in paths:
+        paths.append(str(REPO_ROOT))  # this checkout's kvledger (kept after any earlier entry)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TOKENIZERS_PARALLELISM": "false"}
     return Server("kvledger", cmd, env, log, port)
 
 
@@ -288,6 +293,7 @@ def run_load(server: Server, workload: list[dict[str, Any]], concurrency: int) -
         "itl_p50_ms": ms(itl, 50),
         "itl_p99_ms": ms(itl, 99),
         "server_cpu_s": server_cpu,
+        "server_cpu_ms_per_token": server_cpu / max(1, n_gen) * 1e3,
         "client_cpu_s": client_cpu,
         "foreign_cores_avg": foreign / wall,
         "errors": errors[:5],
@@ -328,7 +334,8 @@ def serve_and_measure(
                 print(
                     f"  {server.engine} {n}x{c} #{rep}: {r['tok_per_s']:.0f} tok/s, TTFT p50/p99 "
                     f"{r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} ms, ITL p50/p99 "
-                    f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms, errors {r['num_errors']}, "
+                    f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms, server CPU "
+                    f"{r['server_cpu_ms_per_token']:.2f} ms/tok, errors {r['num_errors']}, "
                     f"foreign {r['foreign_cores_avg']:.2f} cores",
                     flush=True,
                 )
@@ -386,9 +393,10 @@ def print_table(tokenizer: str, report: dict[str, Any]) -> None:
     kv, vl = report.get("kvledger"), report.get("vllm")
     print(f"\n-- tokenizer {tokenizer}")
     print(
-        "| load | engine | tok/s | TTFT p50 / p99 ms | inter-token p50 / p99 ms | errors | foreign cores |"
+        "| load | engine | tok/s | TTFT p50 / p99 ms | inter-token p50 / p99 ms "
+        "| server CPU ms/tok | errors | foreign cores |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = [(e, r) for e in ("vllm", "kvledger") if report.get(e) for r in report[e]["runs"]]
     rows.sort(key=lambda er: (er[1]["concurrency"], er[1]["repeat"], er[0] != "vllm"))
     for e, r in rows:
@@ -408,7 +416,7 @@ def print_table(tokenizer: str, report: dict[str, Any]) -> None:
         print(
             f"| {load} | {e} | {r['tok_per_s']:,.0f}{ratio} | {r['ttft_p50_ms']:.1f} / "
             f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
-            f"{r['num_errors']} | {r['foreign_cores_avg']:.2f} |"
+            f"{r['server_cpu_ms_per_token']:.2f} | {r['num_errors']} | {r['foreign_cores_avg']:.2f} |"
         )
     if kv and vl:
         print(same_tokens(kv["runs"], vl["runs"]))
