@@ -52,6 +52,7 @@ from benchmarks.common import (
     make_workload,
     save_json,
 )
+from benchmarks.profile_buckets import render
 from kvledger.sim.simulator import percentile
 
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/work/bench_envs/vllm"))
@@ -323,12 +324,13 @@ def serve_and_measure(
             for rep in range(a.repeats):
                 wl = make_workload(n=n, seed=a.seed + rep, vocab_size=512)
                 prof = None
-                if a.profile and server.engine == "kvledger" and c == max(x[1] for x in loads):
+                if a.profile and c == max(x[1] for x in loads) and rep == 0:
                     prof = start_profile(server, a, n, c, rep)
                 r = run_load(server, wl, c)
                 if prof is not None:
                     prof.send_signal(signal.SIGINT)
                     prof.wait(120)
+                    r["profile"] = str(prof.args[prof.args.index("-o") + 1])
                 r["repeat"] = rep
                 runs.append(r)
                 print(
@@ -348,11 +350,13 @@ def start_profile(
     server: Server, a: argparse.Namespace, n: int, c: int, rep: int
 ) -> subprocess.Popen:
     assert server.proc is not None
-    out = Path(a.out_dir) / f"profile-{a.current_tokenizer}-{n}x{c}-{rep}.{a.profile}"
+    out = Path(a.out_dir) / f"profile-{server.engine}-{a.current_tokenizer}-{n}x{c}.{a.profile}"
     fmt = {"svg": "flamegraph", "txt": "raw"}.get(a.profile, "speedscope")
     cmd = ["py-spy", "record", "--pid", str(server.proc.pid), "-o", str(out), "-f", fmt,
            "--rate", "200", "--nonblocking", "--threads"]  # fmt: skip
-    print(f"  profiling kvledger -> {out}", flush=True)
+    if server.engine == "vllm":
+        cmd.append("--subprocesses")  # its engine core is a child process
+    print(f"  profiling {server.engine} -> {out}", flush=True)
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)
     return p
@@ -422,6 +426,11 @@ def print_table(tokenizer: str, report: dict[str, Any]) -> None:
         print(same_tokens(kv["runs"], vl["runs"]))
         for e in ("vllm", "kvledger"):
             print(f"{e} start-up (to /health 200): {report[e]['startup_s']:.1f} s")
+    for e in ("vllm", "kvledger"):
+        for r in report.get(e, {}).get("runs", []):
+            if r.get("profile", "").endswith(".txt") and Path(r["profile"]).exists():
+                print(f"\nwhere {e}'s CPU goes ({r['requests']}x{r['concurrency']}):")
+                print(render(r["profile"]))
 
 
 def main() -> None:
@@ -437,7 +446,8 @@ def main() -> None:
     ap.add_argument("--kvledger-args", default="", help="extra `kvledger serve` flags")
     ap.add_argument("--vllm-args", default="", help="extra vLLM api_server flags")
     ap.add_argument("--profile", default="", choices=["", "svg", "txt", "json"],
-                    help="py-spy record kvledger during its highest-concurrency load")  # fmt: skip
+                    help="py-spy record each server during its highest-concurrency load (txt: raw "
+                         "stacks, summarised into buckets by benchmarks/profile_buckets.py)")  # fmt: skip
     ap.add_argument("--out-dir", default=str(BENCH_OUT / "vs_vllm_serve"))
     a = ap.parse_args()
     Path(a.out_dir).mkdir(parents=True, exist_ok=True)
