@@ -155,7 +155,10 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         partial = float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
                         or cfg.get("partial_rotary_factor") or 1.0)
         rotary_dim = int(spec.head_dim * partial) if partial != 1.0 else None
-        attention_bias = bool(cfg.get("attention_bias") or False)
+        # Qwen2 always has q/k/v biases; these families never read the config's attention_bias.
+        attention_bias = bool(cfg.get("attention_bias") or False) and arch not in (
+            "Qwen2ForCausalLM", "Phi3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"
+        )
         moe = arch in _MOE
         num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if moe else 0
         moe_layers = None
@@ -182,11 +185,8 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=spec.tie_word_embeddings,
-            qkv_bias=arch == "Qwen2ForCausalLM"
-            or (arch not in ("Qwen2ForCausalLM", "Phi3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
-                and attention_bias),
-            o_bias=arch not in ("Qwen2ForCausalLM", "Phi3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
-            and attention_bias,
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=attention_bias,
             mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias") or False),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             layer_types=spec.layer_types,
