@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvledger.cache.block_hash import PREFIX_CACHING_HASH_ALGOS
 from kvledger.cache.kv_events import KVEventsConfig
 from kvledger.errors import ConfigError
 
@@ -55,6 +56,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # kvledger/cache/block_hash.py (vLLM's names)
     kv_cache_dtype: str = "auto"
     kv_sink_tokens: int = 4
     kv_recent_tokens: int = 0
@@ -73,6 +75,7 @@ class CacheConfig:
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo, PREFIX_CACHING_HASH_ALGOS)
         if self.kv_sink_tokens < 0 or self.kv_recent_tokens < 0:
             raise ConfigError("kv_sink_tokens and kv_recent_tokens must be >= 0")
 

@@ -4,8 +4,7 @@
 import pytest
 from cache_state import kv_state
 
-import kvledger.cache.block_pool as block_pool_mod
-import kvledger.cache.kv_cache_manager as kvm_mod
+import kvledger.cache.block_hash as block_hash_mod
 from kvledger.cache.kv_cache_manager import KVCacheManager
 from kvledger.errors import CacheError, OutOfBlocksError
 
@@ -246,8 +245,7 @@ def test_lru_order_across_requests():
 
 @pytest.mark.parametrize("salt", [None, "tenant-a"])
 def test_hash_collision_never_aliases_different_tokens(monkeypatch, salt):
-    monkeypatch.setattr(kvm_mod, "hash_block", lambda parent, tokens, salt=None: 42)
-    monkeypatch.setattr(block_pool_mod, "hash_block", lambda parent, tokens, salt=None: 42)
+    monkeypatch.setitem(block_hash_mod.HASH_FNS, "sha256", lambda parent, tokens, salt=None: 42)
     kv = _manager()
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     _new(kv, "a", prompt, salt)
@@ -278,7 +276,7 @@ def test_salt_separates_otherwise_identical_prefixes():
 def test_salt_is_verified_on_a_hash_collision(monkeypatch):
     # With a colliding hash, the first block of a salted prompt must not be served to the
     # same tokens under another (or no) salt: the salt is part of the verified identity.
-    monkeypatch.setattr(kvm_mod, "hash_block", lambda parent, tokens, salt=None: 7)
+    monkeypatch.setitem(block_hash_mod.HASH_FNS, "sha256", lambda parent, tokens, salt=None: 7)
     kv = _manager()
     prompt = list(range(9))
     _new(kv, "a", prompt, salt="tenant-a")

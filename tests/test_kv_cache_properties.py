@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-import kvledger.cache.kv_cache_manager as kvm_mod
+import kvledger.cache.block_hash as block_hash_mod
 from kvledger.cache.kv_cache_manager import KVCacheManager
 from kvledger.errors import CacheError, OutOfBlocksError
 from kvledger.ledger.block_map import block_map
@@ -304,5 +304,5 @@ def _colliding_hash(parent_hash, token_ids, salt=None):
 
 
 def test_kv_cache_state_machine_with_colliding_hashes(monkeypatch):
-    monkeypatch.setattr(kvm_mod, "hash_block", _colliding_hash)
+    monkeypatch.setitem(block_hash_mod.HASH_FNS, "sha256", _colliding_hash)
     run_state_machine_as_test(KVCacheMachine, settings=SETTINGS)

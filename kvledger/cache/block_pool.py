@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+from kvledger.cache.block_hash import DEFAULT_HASH_ALGO, get_hash_fn
 from kvledger.cache.kv_events import (
     MEDIUM,
     AllBlocksCleared,
@@ -34,8 +35,8 @@ class KVBlock:
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None = None) -> int:
-    """Chained block hash: equal hashes imply (modulo collisions) equal whole prefixes."""
-    return hash((parent_hash, token_ids, salt))
+    """Chained block hash under the default algorithm (kvledger/cache/block_hash.py)."""
+    return get_hash_fn(DEFAULT_HASH_ALGO)(parent_hash, token_ids, salt)
 
 
 class BlockPool:

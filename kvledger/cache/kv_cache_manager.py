@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvledger.cache.block_pool import BlockPool, hash_block
+from kvledger.cache.block_hash import DEFAULT_HASH_ALGO, get_hash_fn
+from kvledger.cache.block_pool import BlockPool
 from kvledger.errors import CacheError, OutOfBlocksError
 from kvledger.ledger.snapshot import LedgerSnapshot, RequestBlocks
 
@@ -55,8 +56,12 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
         sliding_window: int | None = None,
+        hash_algo: str = DEFAULT_HASH_ALGO,
     ) -> None:
-        """``sliding_window``: every layer attends to its last ``sliding_window`` tokens only
+        """``hash_algo``: the chained block hash (kvledger/cache/block_hash.py), process-stable
+        unless "builtin", so routers can recompute it.
+
+        ``sliding_window``: every layer attends to its last ``sliding_window`` tokens only
         (Mistral v0.1, Mixtral, Phi-3 with a window...), so blocks that fall wholly outside it
         are released as the request advances and stop being charged; a prefix-cache hit then
         needs only the blocks the window still covers."""
@@ -69,6 +74,8 @@ class KVCacheManager:
         self.bytes_per_token = bytes_per_token
         self.bytes_per_block = bytes_per_token * block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_algo = hash_algo
+        self._hash = get_hash_fn(hash_algo)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
         self.requests: dict[str, _RequestBlocks] = {}
@@ -155,7 +162,7 @@ class KVCacheManager:
         parent_id: int | None = None
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(parent_hash, tokens, salt if i == 0 else None)
+            h = self._hash(parent_hash, tokens, salt if i == 0 else None)
             block_id = self.pool.lookup(h, tokens, parent_id, salt if i == 0 else None)
             if block_id is None:
                 break
@@ -175,7 +182,7 @@ class KVCacheManager:
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             block_salt = salt if i == 0 else None
-            h = hash_block(parent_hash, tokens, block_salt)
+            h = self._hash(parent_hash, tokens, block_salt)
             parent_hash = h
             block_id = self.pool.lookup(h, tokens, None, block_salt, check_parent=False)
             ids.append(block_id)
@@ -380,7 +387,7 @@ class KVCacheManager:
         parent_hash = req.block_hashes[-1] if req.block_hashes else None
         for i in range(len(req.block_hashes), num_full):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(parent_hash, tokens, req.salt if i == 0 else None)
+            h = self._hash(parent_hash, tokens, req.salt if i == 0 else None)
             parent_id = req.block_table[i - 1] if i > 0 else None
             if req.block_table[i] >= 0:  # not a block released from the window
                 self.pool.register_full_block(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvledger.cache.block_hash import PREFIX_CACHING_HASH_ALGOS
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -26,6 +28,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=PREFIX_CACHING_HASH_ALGOS,
+        default="sha256",
+        help="block hash: sha256 (default) and sha256_cbor are the same in every process, so a "
+        "router can recompute them; builtin is Python's hash(), faster but salted per process",
+    )
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
@@ -75,6 +84,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "recompute_threshold": args.recompute_threshold,
         "max_num_seqs": args.max_num_seqs,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "seed": args.seed,
         "attention_backend": args.attention_backend,

@@ -73,6 +73,7 @@ class Scheduler:
             enable_prefix_caching=cache.enable_prefix_caching,
             num_host_blocks=num_host,
             sliding_window=sliding_window,
+            hash_algo=cache.prefix_caching_hash_algo,
         )
         return cls(config, kv, cost_model)
 
