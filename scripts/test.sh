@@ -6,10 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
-# The dashboard's browser tests drive Debian's Chromium (never `playwright install`).
-if ! command -v chromium >/dev/null 2>&1; then
+# The dashboard's browser tests drive Debian's Chromium (never `playwright install`); the
+# llama2.c oracle test compiles run.c with the system C compiler.
+APT=""
+command -v chromium >/dev/null 2>&1 || APT="$APT chromium"
+command -v cc >/dev/null 2>&1 || APT="$APT gcc libc6-dev"
+if [ -n "$APT" ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq $APT >/dev/null
 fi
 ruff check kvledger tests benchmarks
 python -m pytest -p no:cacheprovider "$@"
