@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from kvledger.errors import KVLedgerError
 
-COMMANDS = ["plan", "generate", "simulate", "serve"]
+COMMANDS = ["plan", "generate", "simulate", "serve", "router"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI over AsyncEngine, assembled here.
 
 The endpoints live one family per module: serving_completion (/v1/completions), serving_chat
-(/v1/chat/completions), ops (health, version, models, ledger, metrics, tokenize), with what
+(/v1/chat/completions), ops (health, version, models, ledger, metrics, tokenize), worker_info (what routers such as
+sglang-router read from a worker), with what
 they share in serving (ServingContext) and streaming (the one SSE loop). Errors are OpenAI's
 JSON (errors); the guard checks keys and body size before any parsing (guard). Input errors
 are 400s and touch no other request; a 500 means a bug in kvledger.
@@ -97,9 +98,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     from kvledger.server.ops import mount_ops
     from kvledger.server.serving_chat import mount_chat
     from kvledger.server.serving_completion import mount_completions
+    from kvledger.server.worker_info import mount_worker_info
 
     ctx = ServingContext(aengine, config)
     mount_completions(app, ctx)
     mount_chat(app, ctx)
     mount_ops(app, ctx, metrics)
+    mount_worker_info(app, ctx)
     return app

@@ -108,6 +108,14 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "metadata": ((None, {}), "this server stores no completions"),
     "service_tier": ((None, "auto", "default"), "this server has one service tier"),
     "verbosity": ((None,), "not implemented"),
+    # SGLang's extensions, which sglang-router writes into every request it forwards, at these
+    # values unless its client set them: accepted there, refused otherwise.
+    "no_stop_trim": ((None, False), "stop strings are always trimmed"),
+    "return_hidden_states": ((None, False), "hidden states are not returned"),
+    "separate_reasoning": ((None, True, False), "there is no reasoning parser"),
+    "stream_reasoning": ((None, True, False), "there is no reasoning parser"),
+    "lora_path": ((None,), "LoRA is not implemented"),
+    "session_params": ((None,), "sessions are not implemented"),
 }
 
 # Accepted and deliberately without effect on the output (OpenAI's own semantics).

@@ -1,0 +1,179 @@
+"""Which replica serves a request: ``--dp-routing {cache_aware,round_robin,least_loaded}``.
+
+``cache_aware`` is NVIDIA Dynamo's KV-router cost, on exact state: for each live replica,
+
+    cost = overlap_weight * prefill_blocks + active_blocks + new_blocks
+
+- ``prefill_blocks``: blocks the replica would still have to prefill, its queue plus this
+  request's uncached part: (queued_tokens + prompt_tokens - overlap_blocks * block_size) / block_size;
+- ``overlap_blocks``: the request's leading blocks the replica holds, looked up by the request's
+  chained hashes (kvledger/cache/block_hash.py) in the replica's event-fed index, or about to
+  hold (the prompt blocks of requests already sent there, so a burst of one tenant does not
+  scatter before the first events come back);
+- ``active_blocks``: KV blocks its in-flight requests hold, each shared prompt block counted once,
+  as the pool does (the "KV usage" load term); ``new_blocks``: the request's prompt blocks the
+  replica does not hold, which it would add (Dynamo's "potential active blocks" is the sum).
+
+The lowest cost wins; ties go to the replica with fewer requests, then in turn. ``least_loaded``
+is the same cost without the overlap; ``round_robin`` takes live replicas in turn.
+
+The router learns load from its own bookkeeping (``dispatched``, ``prefilled``, ``finished``),
+which is exact and immediate, not from polled metrics that lag by an interval.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvledger.cache.block_hash import DEFAULT_HASH_ALGO, hash_request_blocks
+from kvledger.errors import ConfigError
+from kvledger.router.index import KVIndex
+
+ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
+
+
+class NoReplicaError(RuntimeError):
+    """Every replica is out of rotation."""
+
+
+@dataclass
+class _InFlight:
+    rank: int
+    hashes: list[int]
+    queued: int  # uncached prompt tokens still to prefill (0 once prefilled)
+    tail_blocks: int  # blocks beyond the hashed full prompt blocks: partial block + output
+
+
+@dataclass
+class ReplicaState:
+    rank: int
+    alive: bool = True
+    index: KVIndex = field(default_factory=KVIndex)
+    queued_tokens: int = 0
+    tail_blocks: int = 0
+    active: Counter = field(default_factory=Counter)  # prompt block hash -> in-flight holders
+    num_requests: int = 0
+    dispatched: int = 0  # total, for /metrics
+    hit_blocks: int = 0  # total overlap at dispatch, for /metrics
+
+    @property
+    def active_blocks(self) -> int:
+        return len(self.active) + self.tail_blocks
+
+    def overlap(self, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.index.hashes and h not in self.active:
+                break
+            n += 1
+        return n
+
+
+@dataclass
+class Decision:
+    rank: int
+    overlap_blocks: int
+    cost: float
+
+
+class Router:
+    def __init__(
+        self,
+        num_replicas: int,
+        policy: str = "cache_aware",
+        block_size: int = 16,
+        hash_algo: str = DEFAULT_HASH_ALGO,
+        overlap_weight: float = 1.0,
+    ) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ConfigError(f"dp routing must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
+        if num_replicas < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {num_replicas}")
+        self.policy = policy
+        self.block_size = block_size
+        self.hash_algo = hash_algo
+        self.overlap_weight = overlap_weight
+        self.replicas = [ReplicaState(r) for r in range(num_replicas)]
+        self._next = 0
+        self._inflight: dict[str, _InFlight] = {}
+
+    # ------------------------------------------------------------ decisions
+    def block_hashes(self, token_ids: list[int], salt: str | None = None) -> list[int]:
+        return hash_request_blocks(token_ids, self.block_size, salt, self.hash_algo)
+
+    def live(self) -> list[ReplicaState]:
+        return [r for r in self.replicas if r.alive]
+
+    def choose(self, token_ids: list[int], salt: str | None = None, hashes: list[int] | None = None) -> Decision:
+        live = self.live()
+        if not live:
+            raise NoReplicaError("no data-parallel replica is alive")
+        start = self._next % len(self.replicas)
+        order = sorted(live, key=lambda r: (r.rank - start) % len(self.replicas))
+        self._next += 1
+        if self.policy == "round_robin":
+            return Decision(order[0].rank, 0, 0.0)
+        if hashes is None and self.policy == "cache_aware":
+            hashes = self.block_hashes(token_ids, salt)
+        best: Decision | None = None
+        best_key: tuple | None = None
+        bs = self.block_size
+        for r in order:
+            overlap = r.overlap(hashes) if self.policy == "cache_aware" else 0
+            prefill = (r.queued_tokens + len(token_ids) - overlap * bs) / bs
+            new_blocks = -(-len(token_ids) // bs) - overlap
+            cost = self.overlap_weight * prefill + r.active_blocks + new_blocks
+            key = (cost, r.num_requests)
+            if best_key is None or key < best_key:
+                best, best_key = Decision(r.rank, overlap, cost), key
+        assert best is not None
+        return best
+
+    # ------------------------------------------------------------ bookkeeping
+    def dispatched(
+        self, request_id: str, decision: Decision, token_ids: list[int], max_tokens: int, hashes: list[int] | None = None
+    ) -> None:
+        """The request went to ``decision.rank``: count its prefill and its blocks there."""
+        r = self.replicas[decision.rank]
+        if hashes is None:
+            hashes = self.block_hashes(token_ids)
+        queued = max(0, len(token_ids) - decision.overlap_blocks * self.block_size)
+        tail = -(-(len(token_ids) + max_tokens) // self.block_size) - len(hashes)
+        self._inflight[request_id] = _InFlight(decision.rank, hashes, queued, tail)
+        r.queued_tokens += queued
+        r.tail_blocks += tail
+        r.active.update(hashes)
+        r.num_requests += 1
+        r.dispatched += 1
+        r.hit_blocks += decision.overlap_blocks
+
+    def prefilled(self, request_id: str) -> None:
+        """Its first token came back: its prompt is no longer queued work."""
+        f = self._inflight.get(request_id)
+        if f is not None and f.queued:
+            self.replicas[f.rank].queued_tokens -= f.queued
+            f.queued = 0
+
+    def finished(self, request_id: str) -> None:
+        f = self._inflight.pop(request_id, None)
+        if f is None:
+            return
+        r = self.replicas[f.rank]
+        r.queued_tokens -= f.queued
+        r.tail_blocks -= f.tail_blocks
+        r.active.subtract(f.hashes)
+        for h in f.hashes:
+            if r.active[h] <= 0:
+                del r.active[h]
+        r.num_requests -= 1
+
+    def mark_dead(self, rank: int) -> list[str]:
+        """Take a replica out of rotation; returns its in-flight request ids (they fail)."""
+        r = self.replicas[rank]
+        r.alive = False
+        r.index.clear()
+        lost = [rid for rid, f in self._inflight.items() if f.rank == rank]
+        for rid in lost:
+            self.finished(rid)
+        return lost
