@@ -78,3 +78,31 @@ def test_window_model_request_holds_only_its_window(tmp_path):
         peak = max(peak, used)
     assert peak >= 3  # the window's blocks were really held
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 70)
+
+
+def test_hybrid_model_sliding_groups_hold_only_their_window(tmp_path):
+    """Gemma 3 (two local layers of window 6 per global one): the KV cache groups split the
+    layers, each local group holds at most its window's blocks step after step while the
+    global group holds every token, the pool charges exactly that, and the output matches HF."""
+    from kvledger.cache.kv_cache_manager import cdiv
+
+    hf = build_hf_model(tiny_config("gemma3"), tmp_path)
+    llm = LLM(str(tmp_path), block_size=4, max_num_batched_tokens=8, calibrate_preemption=False)
+    eng = llm.engine
+    assert eng.kv_layout.windows == [None, 6, 6] and eng.kv_pool.num_layers == 1
+    prompt = torch.randint(3, 97, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), request_id="r")
+    bound = cdiv(6 - 1 + 8, 4) + 1  # the window before a chunk of 8, plus a partial block
+    peak, out = 0, None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o
+        if "r" not in eng.kv.requests:
+            break
+        full, *local = (sum(b >= 0 for b in t) for t in eng.kv.block_tables("r"))
+        assert full == cdiv(eng.kv.requests["r"].num_tokens, 4)
+        assert all(n <= bound for n in local)
+        assert eng.ledger().used_blocks == full + sum(local)
+        peak = max(peak, *local)
+    assert peak >= 2  # the window's blocks were really held
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 50)

@@ -27,14 +27,22 @@ def test_gemma3_27b_32k_request_by_hand():
     assert r.bytes_without_window_freeing == 2048 * 16 * 62 * layer == 16_642_998_272
     assert r.asymptotic_bytes_per_token == 10 * layer == 81_920
     assert r.bytes_per_token_at_context == (full + sliding) / 32768 == 95_232.0
-    assert not r.window_freeing  # hybrid: kvledger's pool keeps every block (one holds all layers)
+    # kvledger's pool: KV cache groups of 10 layers (the full layers' count): 1 full group and
+    # 52 / 10 -> 6 sliding groups, the last padded (2 layers used of 10). A block = 10 layers x
+    # 16 tokens; the request holds 2,048 blocks in the full group and 64 in each sliding one.
+    assert r.window_freeing and (r.group_size, r.full_groups, r.sliding_groups) == (10, 1, 6)
+    assert r.pool_blocks == 2048 + 6 * 64 == 2432
+    assert r.bytes == 2432 * 16 * 10 * layer == 3_187_671_040
 
     plan = plan_capacity(spec, 80 * GiB, context_len=32768, block_size=16)
     budget = int(80 * GiB * 0.9) - spec.num_params * 2
     assert plan.kv_budget_bytes == budget
+    assert plan.bytes_per_block == 16 * 10 * layer and plan.blocks_per_request == 2432
+    assert plan.num_blocks == budget // (16 * 10 * layer)
+    assert plan.request_cost_bytes(32768) == 3_187_671_040
     assert plan.max_concurrency_with_window_freeing == budget // 3_120_562_176
     assert plan.max_concurrency_without_window_freeing == budget // 16_642_998_272
-    assert plan.max_concurrency == plan.max_concurrency_without_window_freeing
+    assert plan.max_concurrency == budget // 3_187_671_040
     assert plan.max_concurrency_with_window_freeing >= 5 * plan.max_concurrency_without_window_freeing
 
 
@@ -64,6 +72,7 @@ def test_plan_json_gives_asymptotic_and_context_figures(capsys, monkeypatch):
     assert main(["plan", "--model", "gemma-3-27b", "--context-len", "32768", "--tp", "1"]) == 0
     text = capsys.readouterr().out
     assert "10 full + 52 sliding" in text and "window freed / not" in text
+    assert "7 KV cache group(s) of 10 layers" in text
 
 
 def test_simulator_releases_window_blocks_like_the_engine():
@@ -82,3 +91,24 @@ def test_simulator_releases_window_blocks_like_the_engine():
     assert max(s.used_blocks for s in result.steps) <= cdiv(64 - 1 + 64, 16) + 1
     with pytest.raises(ConfigError, match="needs 126 KV blocks; the pool only has 12"):
         Simulator(trace, sc, CacheConfig(block_size=16), 12, 1024, cheap)  # no window
+
+
+def test_simulator_frees_a_hybrid_models_sliding_groups():
+    """One full and two sliding groups (window 64): a 2,000-token request holds 128 full-group
+    blocks at its end plus at most a window and a chunk per sliding group; the pool of 150
+    blocks would not even take its prompt without the groups (3 x 126)."""
+    from kvledger.cache.kv_cache_manager import cdiv
+    from kvledger.config import CacheConfig, SchedulerConfig
+    from kvledger.sim import Simulator, StepCostModel, TraceRequest
+
+    sc = SchedulerConfig(max_model_len=4096, max_num_batched_tokens=64)
+    trace = [TraceRequest(0.0, 2000, 50)]
+    cheap = StepCostModel(a=1e-3, b=1e-5, c=1e-8)
+    sim = Simulator(trace, sc, CacheConfig(block_size=16), 150, 1024, cheap, group_windows=[None, 64, 64])
+    result = sim.run()
+    assert result.requests[0].num_output_tokens == 50
+    window = cdiv(64 - 1 + 64, 16) + 1
+    for s in result.steps:
+        assert s.used_blocks <= cdiv(2050, 16) + 2 * window
+        assert s.tokens_stored <= s.used_blocks * 16
+    assert max(s.used_blocks for s in result.steps) >= cdiv(2000, 16)

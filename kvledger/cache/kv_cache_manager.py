@@ -57,6 +57,9 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         sliding_window: int | None = None,
         hash_algo: str = DEFAULT_HASH_ALGO,
+        pool: BlockPool | None = None,
+        host_pool: BlockPool | None = None,
+        hash_root: int | None = None,
     ) -> None:
         """``hash_algo``: the chained block hash (kvledger/cache/block_hash.py), process-stable
         unless "builtin", so routers can recompute it.
@@ -64,20 +67,29 @@ class KVCacheManager:
         ``sliding_window``: every layer attends to its last ``sliding_window`` tokens only
         (Mistral v0.1, Mixtral, Phi-3 with a window...), so blocks that fall wholly outside it
         are released as the request advances and stop being charged; a prefix-cache hit then
-        needs only the blocks the window still covers."""
+        needs only the blocks the window still covers.
+
+        ``pool`` / ``host_pool`` / ``hash_root``: this manager is one KV cache group of a hybrid
+        model (``HybridKVCacheManager``): it draws from a pool shared with the other groups, and
+        its block hashes chain from ``hash_root`` so that no group can hit another's blocks."""
         if block_size <= 0:
             raise CacheError(f"block_size must be positive, got {block_size}")
         if sliding_window is not None and sliding_window <= 0:
             raise CacheError(f"sliding_window must be positive, got {sliding_window}")
         self.sliding_window = sliding_window
+        self.windowed = sliding_window is not None  # some blocks are released behind a window
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token
         self.bytes_per_block = bytes_per_token * block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_algo = hash_algo
         self._hash = get_hash_fn(hash_algo)
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
+        self.pool = pool or BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        if pool is not None:
+            self.host_pool = host_pool
+        else:
+            self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
+        self.hash_root = hash_root
         self.requests: dict[str, _RequestBlocks] = {}
         # Every table mirrored into one int array, so a step's block tables are one gather
         # (vLLM keeps the same mirror); rows are recycled, columns grow on demand.
@@ -110,6 +122,22 @@ class KVCacheManager:
             self.block_table_array = grown
         if n > start:
             self.block_table_array[req.row, start:n] = req.block_table[start:]
+
+    def blocks_alone(self, num_computed_tokens: int, num_tokens: int) -> int:
+        """Blocks a request needs with num_tokens slots once num_computed_tokens are computed
+        (blocks behind a sliding window are released): the scheduler's "can it ever fit"."""
+        n = cdiv(num_tokens, self.block_size)
+        if self.sliding_window is not None:
+            n -= first_live_block(num_computed_tokens, self.sliding_window, self.block_size)
+        return n
+
+    def prompt_blocks_bound(self, num_prompt_tokens: int, max_batched_tokens: int) -> int:
+        """Most blocks a prompt of this length ever holds at once while it prefills in chunks
+        of at most max_batched_tokens (plus its first output slot)."""
+        need = cdiv(num_prompt_tokens + 1, self.block_size)
+        if self.sliding_window is not None:  # blocks behind the window are released meanwhile
+            need = min(need, cdiv(self.sliding_window + max_batched_tokens, self.block_size) + 1)
+        return need
 
     def block_table_rows(self, request_ids: list[str]) -> list[int]:
         reqs = self.requests
@@ -145,20 +173,22 @@ class KVCacheManager:
 
     # -- prefix cache ------------------------------------------------------------------------
     def get_computed_blocks(
-        self, token_ids: list[int], salt: str | None = None
+        self, token_ids: list[int], salt: str | None = None, max_blocks: int | None = None
     ) -> tuple[list[int], int]:
         """Longest run of cached full blocks that starts the prompt: (block ids, tokens).
 
         At least one prompt token is always left to compute, since its logits start decoding.
+        ``max_blocks`` caps the run (a hybrid model's groups must agree on one length).
         """
         if not self.enable_prefix_caching:
             return [], 0
-        if self.sliding_window is not None:
-            return self._window_hit(token_ids, salt)
         bs = self.block_size
-        max_blocks = (len(token_ids) - 1) // bs
+        limit = (len(token_ids) - 1) // bs
+        max_blocks = limit if max_blocks is None else min(max_blocks, limit)
+        if self.sliding_window is not None:
+            return self._window_hit(token_ids, salt, max_blocks)
         hits: list[int] = []
-        parent_hash: int | None = None
+        parent_hash: int | None = self.hash_root
         parent_id: int | None = None
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
@@ -170,15 +200,16 @@ class KVCacheManager:
             parent_hash, parent_id = h, block_id
         return hits, len(hits) * bs
 
-    def _window_hit(self, token_ids: list[int], salt: str | None) -> tuple[list[int], int]:
+    def _window_hit(
+        self, token_ids: list[int], salt: str | None, max_blocks: int
+    ) -> tuple[list[int], int]:
         """Longest prefix whose window is cached: blocks before the window may be gone (they
         are returned as RELEASED). Within the run, each block's parent is checked by id as in
         the full-attention lookup; the run's first block is matched by its chained hash."""
         bs, window = self.block_size, self.sliding_window
-        max_blocks = (len(token_ids) - 1) // bs
         ids: list[int | None] = []
         run: list[int] = []  # length of the verified run of cached blocks ending at each index
-        parent_hash: int | None = None
+        parent_hash: int | None = self.hash_root
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             block_salt = salt if i == 0 else None
@@ -384,7 +415,7 @@ class KVCacheManager:
             return  # the hot path: nothing new became full this step
         if req.swapped:
             raise CacheError(f"request {request_id!r} is swapped out; swap it in first")
-        parent_hash = req.block_hashes[-1] if req.block_hashes else None
+        parent_hash = req.block_hashes[-1] if req.block_hashes else self.hash_root
         for i in range(len(req.block_hashes), num_full):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = self._hash(parent_hash, tokens, req.salt if i == 0 else None)
@@ -589,9 +620,13 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Ref counts equal the number of holders; host blocks are held exactly once."""
-        self.pool.check_invariants()
         holders: dict[int, int] = {}
         host_holders: dict[int, int] = {}
+        self.count_holders(holders, host_holders)
+        check_pool_holders(self.pool, self.host_pool, holders, host_holders)
+
+    def count_holders(self, holders: dict[int, int], host_holders: dict[int, int]) -> None:
+        """Check each table against its mirror row and count its device and host blocks."""
         for req in self.requests.values():
             assert len(req.block_table) == cdiv(req.num_tokens, self.block_size), req
             row = self.block_table_array[req.row].tolist()
@@ -603,9 +638,16 @@ class KVCacheManager:
                     holders[b] = holders.get(b, 0) + 1
             for h in req.host_blocks.values():
                 host_holders[h] = host_holders.get(h, 0) + 1
-        for blk in self.pool.blocks:
-            assert blk.ref_cnt == holders.get(blk.block_id, 0), (blk, holders.get(blk.block_id))
-        if self.host_pool:
-            self.host_pool.check_invariants()
-            for blk in self.host_pool.blocks:
-                assert blk.ref_cnt == host_holders.get(blk.block_id, 0)
+
+
+def check_pool_holders(
+    pool: BlockPool, host_pool: BlockPool | None, holders: dict[int, int], host_holders: dict[int, int]
+) -> None:
+    """Every block's ref count equals the number of tables holding it."""
+    pool.check_invariants()
+    for blk in pool.blocks:
+        assert blk.ref_cnt == holders.get(blk.block_id, 0), (blk, holders.get(blk.block_id))
+    if host_pool:
+        host_pool.check_invariants()
+        for blk in host_pool.blocks:
+            assert blk.ref_cnt == host_holders.get(blk.block_id, 0)

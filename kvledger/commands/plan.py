@@ -233,7 +233,8 @@ def _window_rows(plan: CapacityPlan) -> list[tuple[str, str]]:
     if not plan.num_sliding_layers:
         return []
     n = plan.context_len
-    freeing = "freed" if plan.window_freeing else "kept, a pool block holds all layers"
+    freeing = "freed" if plan.window_freeing else "kept"
+    groups = plan.num_full_groups + plan.num_sliding_groups
     return [
         (
             "layer types",
@@ -249,6 +250,12 @@ def _window_rows(plan: CapacityPlan) -> list[tuple[str, str]]:
             f"one {n:,}-token request, window freed / not",
             f"{format_bytes(plan.request_bytes_with_window_freeing)} / "
             f"{format_bytes(plan.request_bytes_without_window_freeing)}",
+        ),
+        (
+            "kvledger's pool",
+            f"{groups} KV cache group(s) of {plan.group_size} layers ({plan.num_full_groups} full, "
+            f"{plan.num_sliding_groups} sliding); one request holds {plan.blocks_per_request:,} "
+            f"blocks = {format_bytes(plan.request_cost_bytes(n))}",
         ),
         (
             f"concurrency @ {n:,}, window freed / not",

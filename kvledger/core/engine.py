@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvledger.cache.kv_cache_groups import kv_cache_layout
 from kvledger.cache.kv_cache_manager import cdiv
 from kvledger.cache.kv_events import make_batch, make_publisher
 from kvledger.cache.kv_quant import SINK_CACHE_ENTRIES
@@ -105,12 +106,17 @@ class LLMEngine:
             )
         kv_bytes = kv_bytes_per_token(self.spec, kv_dtype)
         self.bytes_per_token = kv_bytes.total  # K/V data + quantisation scales
+        # Hybrid models (full + sliding layers): KV cache groups over one pool whose block holds
+        # group_size layers, so the sliding groups can free blocks outside their window.
+        self.kv_layout = kv_cache_layout(self.spec.layer_windows)
+        if self.kv_layout.is_hybrid:
+            self.bytes_per_token = kv_bytes.total // self.spec.num_layers * self.kv_layout.group_size
         self.scale_bytes_per_token = kv_bytes.scale_bytes
         bytes_per_block = self.bytes_per_token * cc.block_size
         overlay_slots, reserved = self._plan_overlay(kv_dtype)
         num_blocks = cc.num_kv_blocks or self._size_pool(bytes_per_block, reserved)
         self.kv_pool = KVCachePool(
-            num_layers=self.spec.num_layers,
+            num_layers=self.kv_layout.group_size,
             num_blocks=num_blocks,
             block_size=cc.block_size,
             num_kv_heads=self.spec.num_kv_heads,
@@ -128,7 +134,13 @@ class LLMEngine:
             mode=sc.preemption_mode, recompute_threshold=sc.recompute_threshold
         )
         self.scheduler = Scheduler.build(
-            sc, cc, num_blocks, self.bytes_per_token, self.cost_model, self.spec.uniform_window
+            sc,
+            cc,
+            num_blocks,
+            self.bytes_per_token,
+            self.cost_model,
+            self.spec.uniform_window,
+            self.kv_layout.windows if self.kv_layout.is_hybrid else None,
         )
         self.kv = self.scheduler.kv
         # KV events: recorded by the pool where its prefix index changes, published per step.
@@ -140,8 +152,12 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_pool, self.host_pool, self.kv, self.device, seed=config.seed
         )
+        if self.kv_layout.is_hybrid:
+            self.runner.layer_group = self.kv_layout.layer_group
+            self.runner.layer_caches = [self.kv_pool.layers[j] for j in self.kv_layout.layer_slot]
         if (
-            self.device.type == "cuda"
+            not self.kv_layout.is_hybrid
+            and self.device.type == "cuda"
             and self.attention_backend == "triton"
             and not config.enforce_eager
             and self.kv_pool.overlay is None
@@ -238,7 +254,8 @@ class LLMEngine:
             else:
                 budget = min(4 * _GiB, int(_mem_available() * 0.2))
         budget -= reserved
-        useful = sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size)
+        # A hybrid model's request holds blocks in each KV cache group.
+        useful = sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size) * len(self.kv_layout.groups)
         num_blocks = min(budget // bytes_per_block, useful)
         if num_blocks < 1:
             raise ConfigError(

@@ -8,6 +8,7 @@ and decodes together, and samples the requests whose next token is due.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -60,6 +61,11 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
+        # KV cache groups (hybrid models, kvledger.cache.kv_cache_groups): each group's block
+        # tables, and which group each model layer reads; a single group otherwise.
+        self.kv_groups: list[KVCacheManager] = list(getattr(kv, "groups", [kv]))
+        self.layer_group: tuple[int, ...] | None = None
+        self.layer_caches = kv_pool.layers  # the model's per-layer caches (shared tensors when grouped)
         self.masks = MaskFiller()  # structured outputs' per-step grammar mask
         self.generator = torch.Generator().manual_seed(seed)
         # Quantised KV with sinks / a recent window: which full-precision overlay slot each
@@ -136,6 +142,8 @@ class ModelRunner:
         meta, positions = self._build_metadata(
             query_lens, seq_lens, starts, rows, nblocks, self.block_size, decode_only
         )
+        if len(self.kv_groups) > 1:
+            self._group_metadata(meta, reqs, query_lens)
         ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(self.device)
         return StepInputs(ids, positions, meta, sample_rows, sample_reqs, prompt_rows)
 
@@ -154,7 +162,7 @@ class ModelRunner:
         if self.graphs is not None and inp.meta.is_pure_decode:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
         if hidden is None:
-            hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_pool.layers)
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.layer_caches)
         if self.overlay is not None:
             self.overlay.after_step(inp.meta, [s.request for s in so.scheduled])
         rows = list(inp.sample_rows)
@@ -190,7 +198,7 @@ class ModelRunner:
         # Block tables: one gather from the manager's mirror array, whose rows are zero past
         # each table (padding reads block 0, masked out by seq_lens).
         max_blocks = max(nblocks_list)
-        block_tables = self.kv.block_table_array[np.asarray(rows), :max_blocks]
+        block_tables = self.kv_groups[0].block_table_array[np.asarray(rows), :max_blocks]
         if decode_only:  # one query row per request, at position start
             positions = np.asarray(starts, dtype=np.int64)
             qsl = np.arange(num_reqs + 1, dtype=np.int64)
@@ -215,7 +223,29 @@ class ModelRunner:
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
         )
+        self._np_positions = positions
         return meta, torch.from_numpy(positions).to(dev)
+
+    def _group_metadata(self, meta: AttentionMetadata, reqs: list[Request], query_lens: list[int]) -> None:
+        """Hybrid models: each further group's block tables and slots, the step otherwise the
+        same; ``meta.per_layer`` then gives each layer its group's view."""
+        bs = self.block_size
+        pos = self._np_positions
+        req_idx = np.repeat(np.arange(len(reqs)), np.asarray(query_lens, dtype=np.int64))
+        metas = [meta]
+        for g in self.kv_groups[1:]:
+            entries = [g.requests[r.request_id] for r in reqs]
+            max_blocks = max(len(e.block_table) for e in entries)
+            tables = g.block_table_array[np.asarray([e.row for e in entries]), :max_blocks]
+            slots = tables[req_idx, pos // bs] * bs + pos % bs
+            metas.append(
+                dataclasses.replace(
+                    meta,
+                    slot_mapping=torch.from_numpy(slots).to(self.device),
+                    block_tables=torch.from_numpy(tables).to(self.device),
+                )
+            )
+        meta.per_layer = [metas[g] for g in self.layer_group]
 
     def _sample(
         self, logits: torch.Tensor, reqs: list[Request], out: RunnerOutput, mask_job=None

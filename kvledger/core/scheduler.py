@@ -13,7 +13,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv, first_live_block
+from kvledger.cache.hybrid_kv_cache_manager import HybridKVCacheManager
+from kvledger.cache.kv_cache_manager import KVCacheManager
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel, select_victim
 from kvledger.core.request import Request, RequestStatus
@@ -55,9 +56,12 @@ class Scheduler:
         bytes_per_token: int,
         cost_model: PreemptionCostModel | None = None,
         sliding_window: int | None = None,
+        group_windows: list[int | None] | None = None,
     ) -> Scheduler:
         """The block manager and scheduler for a pool of ``num_blocks`` (engine and simulator).
         ``sliding_window``: every layer attends to a window (see KVCacheManager).
+        ``group_windows``: a hybrid model's KV cache groups (kvledger.cache.kv_cache_groups), each
+        group's window; ``bytes_per_token`` is then one pool slot (a group's layers).
 
         The host swap pool holds ``swap_space`` GiB, at most as many blocks as the device pool,
         and none when preemption is recompute-only.
@@ -66,21 +70,32 @@ class Scheduler:
         num_host = min(int(cache.swap_space * (1 << 30)) // bytes_per_block, num_blocks)
         if config.preemption_mode == "recompute":
             num_host = 0
-        kv = KVCacheManager(
-            num_blocks,
-            cache.block_size,
-            bytes_per_token=bytes_per_token,
-            enable_prefix_caching=cache.enable_prefix_caching,
-            num_host_blocks=num_host,
-            sliding_window=sliding_window,
-            hash_algo=cache.prefix_caching_hash_algo,
-        )
+        if group_windows is not None and len(group_windows) > 1:
+            kv = HybridKVCacheManager(
+                num_blocks,
+                cache.block_size,
+                group_windows,
+                bytes_per_token=bytes_per_token,
+                enable_prefix_caching=cache.enable_prefix_caching,
+                num_host_blocks=num_host,
+                hash_algo=cache.prefix_caching_hash_algo,
+            )
+        else:
+            kv = KVCacheManager(
+                num_blocks,
+                cache.block_size,
+                bytes_per_token=bytes_per_token,
+                enable_prefix_caching=cache.enable_prefix_caching,
+                num_host_blocks=num_host,
+                sliding_window=sliding_window,
+                hash_algo=cache.prefix_caching_hash_algo,
+            )
         return cls(config, kv, cost_model)
 
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_cache_manager: KVCacheManager,
+        kv_cache_manager: KVCacheManager | HybridKVCacheManager,
         cost_model: PreemptionCostModel | None = None,
     ) -> None:
         self.config = config
@@ -150,7 +165,7 @@ class Scheduler:
         plan: list[ScheduledRequest] = []
         items: list[tuple[str, int]] = []  # (request_id, tokens) for the block manager
         total_blocks = self.kv.pool.num_blocks
-        window = self.kv.sliding_window
+        windowed = self.kv.windowed
         ended: list[Request] = []
         for req in self.running:
             n = len(req.all_token_ids) - req.num_computed_tokens
@@ -158,9 +173,10 @@ class Scheduler:
                 n = budget
             if n <= 0:
                 continue
-            alone = (req.num_computed_tokens + n + bs - 1) // bs
-            if window is not None:  # blocks behind the window are released, not needed
-                alone -= first_live_block(req.num_computed_tokens, window, bs)
+            if windowed:  # blocks behind a window are released, not needed
+                alone = self.kv.blocks_alone(req.num_computed_tokens, req.num_computed_tokens + n)
+            else:
+                alone = (req.num_computed_tokens + n + bs - 1) // bs
             if alone > total_blocks:
                 ended.append(req)  # it can never fit, even alone: stop it (after the loop)
                 continue
@@ -329,10 +345,7 @@ class Scheduler:
                 f"prompt has {n} tokens, but the model's context is {max_len} tokens "
                 "(max_model_len) including at least one output token"
             )
-        need = cdiv(n + 1, self.kv.block_size)
-        window = self.kv.sliding_window
-        if window is not None:  # blocks behind the window are released while it prefills
-            need = min(need, cdiv(window + self.config.max_num_batched_tokens, self.kv.block_size) + 1)
+        need = self.kv.prompt_blocks_bound(n, self.config.max_num_batched_tokens)
         if need > self.kv.pool.num_blocks:
             return f"prompt of {n} tokens needs {need} KV blocks; the pool only has {self.kv.pool.num_blocks}"
         return None

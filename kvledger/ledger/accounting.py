@@ -70,6 +70,13 @@ class ModelSpec:
         return self.num_layers - self.num_sliding_layers
 
     @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's window (None: full attention)."""
+        if not self.num_sliding_layers:
+            return [None] * self.num_layers
+        return [self.sliding_window if t == SLIDING else None for t in self.layer_types]
+
+    @property
     def uniform_window(self) -> int | None:
         """The window when every layer has one: then the block manager itself can release
         blocks outside it (one block holds every layer's K/V, see KVCacheManager)."""
@@ -410,6 +417,8 @@ class RequestKV:
 
     Full-attention layers grow with the context; sliding-window layers stop at their window
     when blocks outside it are freed (``with_window_freeing``), else grow like full ones.
+    ``pool_bytes`` is what kvledger's pool holds: its KV cache groups
+    (kvledger.cache.kv_cache_groups) of ``group_size`` layers each, a padded last group included.
     """
 
     context_len: int
@@ -419,6 +428,9 @@ class RequestKV:
     window: int | None
     layer_bytes_per_token: int  # one layer's K + V (+ scales) per token
     window_freeing: bool  # whether kvledger's own block manager frees them for this model
+    group_size: int = 0  # layers per pool block (0: every layer, one group)
+    full_groups: int = 1
+    sliding_groups: int = 0
 
     @property
     def full_blocks(self) -> int:
@@ -441,9 +453,21 @@ class RequestKV:
         return (self.full_blocks * self.full_layers + self.sliding_blocks * self.sliding_layers) * per_block
 
     @property
+    def pool_blocks(self) -> int:
+        """Pool blocks the request holds over its groups (each block: group_size layers)."""
+        if not self.window_freeing:
+            return self.full_blocks
+        return self.full_blocks * self.full_groups + self.sliding_blocks * self.sliding_groups
+
+    @property
+    def pool_block_bytes(self) -> int:
+        layers = self.group_size or self.full_layers + self.sliding_layers
+        return self.block_size * layers * self.layer_bytes_per_token
+
+    @property
     def bytes(self) -> int:
         """What kvledger's pool holds for this request."""
-        return self.bytes_with_window_freeing if self.window_freeing else self.bytes_without_window_freeing
+        return self.pool_blocks * self.pool_block_bytes
 
     @property
     def asymptotic_bytes_per_token(self) -> int:
@@ -460,7 +484,11 @@ def request_kv(
     spec: ModelSpec, context_len: int, block_size: int = 16, kv_dtype: str = "auto", tp: int = 1
 ) -> RequestKV:
     """The per-layer-type KV of one context_len request (see RequestKV)."""
+    from kvledger.cache.kv_cache_groups import kv_cache_layout
+
     per_layer = kv_bytes_per_token(spec, kv_dtype, tp).total // spec.num_layers
+    layout = kv_cache_layout(spec.layer_windows)
+    full_groups = sum(g.sliding_window is None for g in layout.groups)
     return RequestKV(
         context_len=context_len,
         block_size=block_size,
@@ -468,7 +496,10 @@ def request_kv(
         sliding_layers=spec.num_sliding_layers,
         window=spec.sliding_window if spec.num_sliding_layers else None,
         layer_bytes_per_token=per_layer,
-        window_freeing=spec.uniform_window is not None,
+        window_freeing=spec.num_sliding_layers > 0,
+        group_size=layout.group_size,
+        full_groups=full_groups,
+        sliding_groups=len(layout.groups) - full_groups,
     )
 
 
@@ -525,13 +556,20 @@ class CapacityPlan:
     request_bytes_without_window_freeing: int = 0
     max_concurrency_with_window_freeing: int = 0
     max_concurrency_without_window_freeing: int = 0
+    # kvledger's pool (kvledger.cache.kv_cache_groups): a block holds group_size layers; a
+    # request has a block table in each of the full and sliding groups.
+    group_size: int = 0
+    num_full_groups: int = 1
+    num_sliding_groups: int = 0
 
     def request_cost_bytes(self, num_tokens: int) -> int:
-        """Paged cost of a num_tokens request: whole blocks, the last one possibly partial;
-        when every layer is windowed, only the blocks the window still covers."""
+        """Paged cost of a num_tokens request in the pool: whole blocks, the last one possibly
+        partial, in every KV cache group; a sliding group holds only its window's blocks."""
+        full = math.ceil(num_tokens / self.block_size)
+        sliding = full
         if self.window_freeing and self.sliding_window:
-            return window_blocks(num_tokens, self.sliding_window, self.block_size) * self.bytes_per_block
-        return math.ceil(num_tokens / self.block_size) * self.bytes_per_block
+            sliding = window_blocks(num_tokens, self.sliding_window, self.block_size)
+        return (full * self.num_full_groups + sliding * self.num_sliding_groups) * self.bytes_per_block
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -583,13 +621,12 @@ def plan_capacity(
             "checkpoint); pass the weight size explicitly (--weight-bytes)"
         )
     weights = math.ceil(total_weights / tp)
-    bytes_per_block = kv.total * block_size
     overhead = per_request_overhead_bytes(spec, kv_dtype, kv_sink_tokens, kv_recent_tokens, tp)
-    blocks_per_request = math.ceil(context_len / block_size)
     req_kv = request_kv(spec, context_len, block_size, kv_dtype, tp)
-    if req_kv.window_freeing:  # every layer windowed: the pool itself releases blocks
-        blocks_per_request = req_kv.sliding_blocks
-    request_bytes = blocks_per_request * bytes_per_block + overhead
+    # The pool's block: every layer, or a KV cache group's layers for a hybrid model.
+    bytes_per_block = req_kv.pool_block_bytes
+    blocks_per_request = req_kv.pool_blocks
+    request_bytes = req_kv.bytes + overhead
     budget = int(device_memory_bytes * memory_fraction) - weights - activation_reserve_bytes
     if budget < request_bytes:
         raise DoesNotFitError(
@@ -632,6 +669,9 @@ def plan_capacity(
         request_bytes_without_window_freeing=req_kv.bytes_without_window_freeing,
         max_concurrency_with_window_freeing=budget // (req_kv.bytes_with_window_freeing + overhead),
         max_concurrency_without_window_freeing=budget // (req_kv.bytes_without_window_freeing + overhead),
+        group_size=req_kv.group_size,
+        num_full_groups=req_kv.full_groups,
+        num_sliding_groups=req_kv.sliding_groups,
     )
 
 

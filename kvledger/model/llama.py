@@ -273,10 +273,11 @@ class LlamaForCausalLM(nn.Module):
         # Leading single-token queries (the scheduler puts running decodes first).
         lens = attn_metadata.query_lens_list
         decodes = next((i for i, n in enumerate(lens) if n != 1), len(lens))
+        per_layer = attn_metadata.per_layer or [attn_metadata] * len(kv_caches)
         with ROW_INVARIANT.leading(decodes):
-            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            for layer, kv_cache, meta in zip(self.model.layers, kv_caches, per_layer, strict=True):
                 r = local_rope if layer.self_attn.local_rope else rope
-                h = layer(h, r, attn_metadata, kv_cache, backend)
+                h = layer(h, r, meta, kv_cache, backend)
         return self.model.norm(h)
 
     @torch.inference_mode()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvledger.cache.kv_cache_groups import kv_cache_layout
 from kvledger.cache.kv_cache_manager import cdiv
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.errors import ConfigError
@@ -48,6 +49,7 @@ class SimSetup:
     # Resolved by build():
     spec: ModelSpec | None = None
     bytes_per_token: int = 0
+    group_windows: list[int | None] | None = None  # a hybrid model's KV cache groups
     resolved_cost_model: StepCostModel | None = None
     capacity_note: str = ""
 
@@ -91,6 +93,11 @@ class SimSetup:
                 raise ConfigError(f"{error} [tried tp = {tried}]")
         self.tp = self.tp or 1
         self.bytes_per_token = kv_bytes_per_token(spec, self.kv_dtype, self.tp).total
+        layout = kv_cache_layout(spec.layer_windows)
+        if layout.is_hybrid:  # a pool slot is one KV cache group's layers, as in the engine
+            self.bytes_per_token = self.bytes_per_token // spec.num_layers * layout.group_size
+            useful *= len(layout.groups)
+        self.group_windows = layout.windows if layout.is_hybrid else None
         if self.num_kv_blocks is None:
             self.num_kv_blocks = min(plan.num_blocks, useful)
             self.capacity_note = (
@@ -149,6 +156,7 @@ class SimSetup:
             static_batch=self.static_batch,
             naive_max_seq_len=self.naive_max_seq_len,
             sliding_window=self.spec.uniform_window,
+            group_windows=self.group_windows,
         )
 
     def run(self, trace: list[TraceRequest]) -> SimResult:

@@ -50,9 +50,10 @@ def build_scheduler(
     bytes_per_token: int,
     cost_model: PreemptionCostModel,
     sliding_window: int | None = None,
+    group_windows: list[int | None] | None = None,
 ) -> Scheduler:
     """The cache manager and scheduler exactly as the engine builds them."""
-    return Scheduler.build(sc, cc, num_blocks, bytes_per_token, cost_model, sliding_window)
+    return Scheduler.build(sc, cc, num_blocks, bytes_per_token, cost_model, sliding_window, group_windows)
 
 
 def apply_step_update(
@@ -98,7 +99,9 @@ def _pool_fill(kv: KVCacheManager) -> tuple[int, dict[int, int]]:
     bs, blocks = kv.block_size, kv.pool.blocks
     shared: dict[int, int] = {}
     private_tokens = entries = 0
-    for req in kv.requests.values():
+    # A hybrid model's KV cache groups each hold their own blocks of the request.
+    tables = [r for m in getattr(kv, "groups", [kv]) for r in m.requests.values()]
+    for req in tables:
         table, n = req.block_table, req.num_tokens
         if req.swapped:  # rare: some entries are on the host
             for i, b in enumerate(table):
@@ -122,7 +125,7 @@ def _pool_fill(kv: KVCacheManager) -> tuple[int, dict[int, int]]:
     if entries - extra == kv.pool.num_used_blocks:
         return private_tokens + sum(shared.values()), shared
     fill: dict[int, int] = {}
-    for req in kv.requests.values():
+    for req in tables:
         for i, b in enumerate(req.block_table):
             if b >= 0:
                 fill[b] = max(fill.get(b, 0), min(bs, req.num_tokens - i * bs))
@@ -287,9 +290,11 @@ class Simulator:
         static_batch: int | None = None,
         naive_max_seq_len: int | None = None,
         sliding_window: int | None = None,
+        group_windows: list[int | None] | None = None,
     ) -> None:
         """``sliding_window``: the model's window when every layer has one (ModelSpec.
-        uniform_window); blocks outside it are released as in the engine."""
+        uniform_window); blocks outside it are released as in the engine. ``group_windows``:
+        a hybrid model's KV cache groups (``bytes_per_token`` is then one pool slot)."""
         scheduler_config.validate()
         cache_config.validate()
         if num_blocks < 1:
@@ -311,6 +316,7 @@ class Simulator:
                 recompute_threshold=scheduler_config.recompute_threshold,
             ),
             sliding_window,
+            group_windows,
         )
         self.kv = self.scheduler.kv
         self.max_seq_len = naive_max_seq_len or scheduler_config.max_model_len

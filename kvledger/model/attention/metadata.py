@@ -31,6 +31,9 @@ class AttentionMetadata:
     overlay_slots: list[int] | None = None
     overlay_sink_from: list[int] | None = None
     overlay_window_from: list[int] | None = None
+    # Hybrid models (KV cache groups): each layer's view, whose block tables and slots are its
+    # group's (kvledger.cache.kv_cache_groups); None: every layer uses this one.
+    per_layer: list[AttentionMetadata] | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -1,0 +1,166 @@
+"""KV cache groups for hybrid models (issue 20): the layout of layers into groups and pool
+tensors, and the HybridKVCacheManager's per-group block tables over one shared pool: sliding
+groups release blocks outside the window, prefix hits need the whole prefix in the full
+group and only the window in sliding ones, swap and fork move live blocks only."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvledger.cache.hybrid_kv_cache_manager import HybridKVCacheManager
+from kvledger.cache.kv_cache_groups import kv_cache_layout
+from kvledger.cache.kv_cache_manager import RELEASED, cdiv, first_live_block
+
+BS, W = 4, 10
+
+
+def test_layout_gemma3_pattern_by_hand():
+    # 12 layers, every 6th full (Gemma 3): 2 full, 10 sliding -> groups of 2 layers, 2 tensors.
+    windows = [None if (i + 1) % 6 == 0 else 1024 for i in range(12)]
+    lay = kv_cache_layout(windows)
+    assert lay.group_size == 2 and lay.is_hybrid
+    assert [g.layers for g in lay.groups] == [(5, 11), (0, 1), (2, 3), (4, 6), (7, 8), (9, 10)]
+    assert lay.windows == [None] + [1024] * 5
+    assert lay.layer_group[6] == 3 and lay.layer_slot[6] == 1 and lay.layer_slot[11] == 1
+    # Each (group, tensor) pair belongs to exactly one layer: groups never share a block's slot.
+    assert len({(lay.layer_group[i], lay.layer_slot[i]) for i in range(12)}) == 12
+
+
+def test_layout_uniform_models_keep_one_group():
+    lay = kv_cache_layout([None] * 4)
+    assert not lay.is_hybrid and lay.group_size == 4 and lay.layer_slot == (0, 1, 2, 3)
+    assert kv_cache_layout([9] * 3).windows == [9]
+
+
+def test_layout_uneven_counts_pad_the_last_group():
+    lay = kv_cache_layout([None, 7, 7, None, 7, 7, 7])  # 2 full, 5 sliding
+    assert [len(g.layers) for g in lay.groups] == [2, 2, 2, 1]
+
+
+def _manager(num_blocks: int = 96, host: int = 0, caching: bool = True) -> HybridKVCacheManager:
+    return HybridKVCacheManager(
+        num_blocks, BS, [None, W, W], bytes_per_token=10, enable_prefix_caching=caching,
+        num_host_blocks=host,
+    )
+
+
+def _step(kv, rid: str, tokens: list[int], new: list[int]) -> None:
+    assert kv.allocate_slots(rid, len(new))
+    tokens.extend(new)
+    req = SimpleNamespace(request_id=rid, all_token_ids=tokens, num_computed_tokens=len(tokens))
+    kv.cache_computed_blocks([SimpleNamespace(request=req)])
+
+
+def _live(table: list[int]) -> int:
+    return sum(b >= 0 for b in table)
+
+
+def test_long_request_sliding_groups_stay_bounded_full_group_grows():
+    kv = _manager(caching=False)
+    tokens: list[int] = []
+    _step(kv, "a", tokens, list(range(7)))
+    bound = cdiv(W - 1, BS) + 2
+    for t in range(120):
+        _step(kv, "a", tokens, [t % 50])
+        full, s1, s2 = kv.block_tables("a")
+        assert _live(full) == cdiv(len(tokens), BS)
+        assert _live(s1) <= bound and _live(s2) <= bound
+        assert kv.num_used_blocks == _live(full) + _live(s1) + _live(s2)
+        assert kv.ledger().requests["a"].blocks == kv.num_used_blocks
+    kv.check_invariants()
+    assert kv.block_tables("a")[1][0] == RELEASED
+    kv.free("a")
+    assert kv.num_used_blocks == 0
+
+
+def test_scheduler_bounds_count_every_group():
+    kv = _manager()
+    n = 100
+    assert kv.blocks_alone(n - 1, n) == cdiv(n, BS) + 2 * (cdiv(n, BS) - first_live_block(n - 1, W, BS))
+    assert kv.prompt_blocks_bound(1000, 8) == cdiv(1001, BS) + 2 * (cdiv(W + 8, BS) + 1)
+
+
+def test_prefix_hit_full_group_needs_whole_prefix_sliding_group_only_window():
+    kv = _manager()
+    prompt = list(range(100, 141))  # 41 tokens: 10 full blocks before the last one
+    tokens: list[int] = []
+    _step(kv, "a", tokens, prompt)
+    full, s1, s2 = (list(t) for t in kv.block_tables("a"))
+    kv.free("a")
+    hits, n = kv.get_computed_blocks(prompt)
+    first = first_live_block(40, W, BS)
+    assert n == 40
+    assert hits[0] == full[:10]  # the whole prefix for full attention
+    for h, table in ((hits[1], s1), (hits[2], s2)):
+        # Before the window: nothing needed. Block 7 was released from "a" (its last query
+        # did not need it) but stays in the prefix cache, and a hit at 40 needs it again.
+        assert h[:first] == [RELEASED] * first and h[7] >= 0 and table[7] == RELEASED
+        assert h[8:] == table[8:10]
+    # A sliding group's evicted block before the window does not matter ...
+    (early,), _ = kv.groups[1].get_computed_blocks(prompt[:5])  # its cached block 0
+    kv.pool._evict(kv.pool.blocks[early])
+    assert kv.get_computed_blocks(prompt)[1] == 40
+    # ... one inside it shortens the hit for every group; a full group's early block empties it.
+    kv.pool._evict(kv.pool.blocks[s2[9]])
+    hits, n = kv.get_computed_blocks(prompt)
+    assert n < 40 and all(len(h) == n // BS for h in hits)
+    kv.pool._evict(kv.pool.blocks[full[0]])
+    assert kv.get_computed_blocks(prompt) == ([[], [], []], 0)
+    # The hit is taken by reference: allocate it and check the tables and ref counts.
+    kv.check_invariants()
+
+
+def test_hit_is_allocated_per_group_and_groups_never_cross():
+    kv = _manager()
+    prompt = list(range(200, 233))  # 33 tokens
+    tokens: list[int] = []
+    _step(kv, "a", tokens, prompt)
+    hits, n = kv.get_computed_blocks(prompt + [1, 2, 3])
+    assert n == 32
+    # Groups hash apart: no block of one group is offered to another.
+    assert len({b for h in hits for b in h if b >= 0}) == sum(1 for h in hits for b in h if b >= 0)
+    tables = kv.block_tables("a")
+    for g, h in enumerate(hits):
+        others = {b for k, t in enumerate(tables) if k != g for b in t if b >= 0}
+        assert not others & set(h)
+    assert kv.allocate_slots("b", 36 - n, hits)
+    kv.check_invariants()
+    assert kv.block_tables("b")[0][:8] == kv.block_tables("a")[0][:8]
+    kv.free("a")
+    kv.free("b")
+
+
+def test_swap_and_fork_move_only_live_blocks():
+    kv = _manager(host=64)
+    tokens: list[int] = []
+    for _ in range(6):
+        _step(kv, "a", tokens, list(range(11)))  # 66 tokens
+    live = kv.num_used_blocks
+    kv.fork("a", "c")
+    assert kv.num_used_blocks == live  # the child shares everything
+    kv.free("c")
+    assert kv.can_swap_out("a")
+    pairs = kv.swap_out("a")
+    assert len(pairs) == live and kv.num_used_blocks == 0  # released entries did not move
+    assert kv.ledger().requests["a"].swapped_blocks == live
+    kv.check_invariants()
+    back = kv.swap_in("a")
+    assert len(back) == live and kv.num_used_blocks == live
+    kv.check_invariants()
+    kv.trim("a", 65)
+    with pytest.raises(Exception, match="released"):
+        kv.trim("a", 20)  # the window at 20 needs blocks the sliding groups released
+    kv.check_invariants()
+    kv.free("a")
+    assert kv.num_used_blocks == 0
+
+
+def test_all_or_nothing_when_the_groups_together_do_not_fit():
+    kv = _manager(num_blocks=10, caching=False)
+    assert kv.blocks_needed("a", 16) == 12  # 4 blocks in each of 3 groups
+    assert not kv.allocate_slots("a", 16)
+    assert "a" not in kv.requests and kv.num_used_blocks == 0
+    assert kv.allocate_slots("a", 12)
+    kv.free("a")
