@@ -50,9 +50,10 @@ class PoolState:
             block_size=kv.block_size,
             ref_cnts=[b.ref_cnt for b in blocks],
             hashes=[b.block_hash for b in blocks],
-            tables=[
+            tables=[  # a hybrid model's request has a table in each KV cache group
                 (rid, r.num_tokens, r.block_table[:], list(r.host_blocks.values()))
-                for rid, r in kv.requests.items()
+                for m in getattr(kv, "groups", [kv])
+                for rid, r in m.requests.items()
             ],
             host_ref_cnts=None if host is None else [b.ref_cnt for b in host.blocks],
         )
