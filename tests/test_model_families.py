@@ -106,3 +106,27 @@ def test_hybrid_model_sliding_groups_hold_only_their_window(tmp_path):
         peak = max(peak, *local)
     assert peak >= 2  # the window's blocks were really held
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 50)
+
+
+def test_longrope_matches_hf_across_the_switch_point(tmp_path):
+    """Phi-3 LongRoPE with original_max_position_embeddings 48: HF uses the long factors for
+    every position once a sequence is longer than 48, recomputing its cache when a generation
+    crosses. kvledger recomputes such a request (short-factor K are not reused), prefills long
+    prompts with the long table even in chunks that end before 48, and caches the two kinds of
+    K apart: decodes crossing the point, n = 2, chunked long prompts and prefix hits all match."""
+    hf = build_hf_model(tiny_config("phi3"), tmp_path)
+    g = torch.Generator().manual_seed(11)
+    base = torch.randint(3, 97, (40,), generator=g).tolist()
+    prompts = [base, base + torch.randint(3, 97, (20,), generator=g).tolist(), base[:30]]
+    params = [
+        SamplingParams(temperature=0, n=2, max_tokens=20, ignore_eos=True),  # 40 -> 60: crosses
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),  # 60: long from the start
+        SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),  # 30 -> 55: crosses
+    ]
+    llm = LLM(str(tmp_path), block_size=4, max_num_batched_tokens=16, calibrate_preemption=False)
+    for _ in range(2):  # the second round is served from the prefix cache
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for p, sp, o in zip(prompts, params, outs):
+            assert [c.token_ids for c in o.outputs] == [hf_greedy(hf, p, sp.max_tokens)] * sp.n
+    assert llm.engine.scheduler.num_rope_recomputes >= 2 * 3  # two children + one, per round
+    assert llm.ledger().prefix_cache_hits > 0

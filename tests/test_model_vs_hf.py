@@ -149,8 +149,8 @@ def test_mixed_batch_matches_each_request_alone(kind, decode_path, tmp_path, mon
 def test_longrope_long_prompt_uses_the_long_factors(tmp_path):
     """Past original_max_position_embeddings (48 here) LongRoPE switches to its long factors:
     a 60-token prompt (prefilled in one chunk, as HF does) and its continuation match HF's.
-    (A chunk boundary or a decode crossing the switch point is not reproduced: HF recomputes
-    the whole cache there, see the issue-20 notes.)"""
+    (Chunk boundaries and decodes crossing the switch point go through the engine, which
+    recomputes there as HF does: tests/test_model_families.py.)"""
     hf = build_hf_model(tiny_config("phi3"), tmp_path)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0

@@ -152,6 +152,9 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_pool, self.host_pool, self.kv, self.device, seed=config.seed
         )
+        # LongRoPE: the table is chosen by the sequence's length, crossing it recomputes.
+        rope = getattr(self.model, "rotary_emb", None)
+        self.scheduler.rope_long_from = self.runner.rope_long_from = getattr(rope, "long_from", None)
         if self.kv_layout.is_hybrid:
             self.runner.layer_group = self.kv_layout.layer_group
             self.runner.layer_caches = [self.kv_pool.layers[j] for j in self.kv_layout.layer_slot]
@@ -445,6 +448,7 @@ class LLMEngine:
             self.runner.fork_overlay(req, child)
             child.num_computed_tokens = req.num_computed_tokens
             child.num_cached_tokens = req.num_cached_tokens
+            child.rope_long = req.rope_long
             child.prompt_logprobs = req.prompt_logprobs
             child.first_scheduled_time = req.first_scheduled_time
             self.scheduler.add_forked(child)

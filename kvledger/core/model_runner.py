@@ -66,6 +66,7 @@ class ModelRunner:
         self.kv_groups: list[KVCacheManager] = list(getattr(kv, "groups", [kv]))
         self.layer_group: tuple[int, ...] | None = None
         self.layer_caches = kv_pool.layers  # the model's per-layer caches (shared tensors when grouped)
+        self.rope_long_from: int | None = None  # LongRoPE: see Scheduler.rope_long_from
         self.masks = MaskFiller()  # structured outputs' per-step grammar mask
         self.generator = torch.Generator().manual_seed(seed)
         # Quantised KV with sinks / a recent window: which full-precision overlay slot each
@@ -144,6 +145,9 @@ class ModelRunner:
         )
         if len(self.kv_groups) > 1:
             self._group_metadata(meta, reqs, query_lens)
+        if self.rope_long_from is not None:  # the table follows the whole sequence's length
+            lens = np.asarray([len(r.all_token_ids) for r in reqs], dtype=np.int64)
+            meta.rope_seq_lens = torch.from_numpy(lens).to(self.device)
         ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(self.device)
         return StepInputs(ids, positions, meta, sample_rows, sample_reqs, prompt_rows)
 

@@ -41,6 +41,9 @@ class Request:
     admitted_step: int = -1
     waiting_since_step: int = 0
     steps_waited: int = 0  # steps spent waiting or preempted (drives the aging priority)
+    # LongRoPE: its cached K were rotated with the long factors (the sequence was longer than
+    # original_max_position_embeddings when they were computed); see Scheduler.rope_long_from.
+    rope_long: bool = False
     # Finishing.
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

@@ -109,6 +109,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step = 0
         self.num_preemptions = {"swap": 0, "recompute": 0}
+        # LongRoPE models (original_max_position_embeddings): a sequence longer than this uses
+        # the long factors for every position, as HF, which recomputes the whole cache when a
+        # sequence first crosses it. Set by the engine; None: no such switch.
+        self.rope_long_from: int | None = None
+        self.num_rope_recomputes = 0
 
     # -- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -167,6 +172,8 @@ class Scheduler:
         total_blocks = self.kv.pool.num_blocks
         windowed = self.kv.windowed
         ended: list[Request] = []
+        if self.rope_long_from is not None:
+            self._recompute_rope_crossings()
         for req in self.running:
             n = len(req.all_token_ids) - req.num_computed_tokens
             if n > budget:
@@ -237,10 +244,11 @@ class Scheduler:
             req = self.waiting[0]
             if req.status is RequestStatus.WAITING and req.request_id in preempted_now:
                 break  # evicted this very step: re-admitting it now would only thrash
+            salt = self._kv_salt(req)
             if req.sampling_params.prompt_logprobs is not None:
                 computed, num_cached = [], 0  # every prompt position's logits are needed
             else:
-                computed, num_cached = self.kv.get_computed_blocks(req.all_token_ids, req.cache_salt)
+                computed, num_cached = self.kv.get_computed_blocks(req.all_token_ids, salt)
             n = req.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and n > budget:
                 break
@@ -253,9 +261,11 @@ class Scheduler:
                 reserve = max(reserve, full - need + self._readmit_headroom())
             if need + reserve > self.kv.num_free_blocks:
                 break
-            ok = self.kv.allocate_slots(req.request_id, n, computed, req.cache_salt)
+            ok = self.kv.allocate_slots(req.request_id, n, computed, salt)
             assert ok
             self.waiting.popleft()
+            if self.rope_long_from is not None:
+                req.rope_long = len(req.all_token_ids) > self.rope_long_from
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
@@ -271,6 +281,30 @@ class Scheduler:
             req.steps_waited += 1
         out.blocks_to_copy = self.kv.take_block_copies()
         return out
+
+    def _kv_salt(self, req: Request) -> str | None:
+        """The request's prefix-cache salt; LongRoPE K computed with the long factors are
+        different content from the short ones, so they are cached apart."""
+        if self.rope_long_from is None or len(req.all_token_ids) <= self.rope_long_from:
+            return req.cache_salt
+        return "\x00longrope-long:" + ("\x00" if req.cache_salt is None else req.cache_salt)
+
+    def _recompute_rope_crossings(self) -> None:
+        """Running requests whose sequence just grew past the LongRoPE switch point hold K
+        rotated with the short factors: free them and recompute the whole sequence with the
+        long ones (HF's Phi-3 drops its cache there), ahead of every waiting request."""
+        long_from = self.rope_long_from
+        crossed = [
+            r for r in self.running
+            if not r.rope_long and r.num_computed_tokens and len(r.all_token_ids) > long_from
+        ]
+        for req in reversed(crossed):
+            self.running.remove(req)
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+            self.num_rope_recomputes += 1
 
     def _readmit_headroom(self) -> int:
         """Free blocks a preempted request must leave for the running ones' next blocks.

@@ -261,7 +261,8 @@ class LlamaForCausalLM(nn.Module):
         )
         index = positions
         if self.rotary_emb.long_from is not None:  # LongRoPE: by each request's length
-            lens = attn_metadata.seq_lens.repeat_interleave(
+            seq = attn_metadata.rope_seq_lens
+            lens = (attn_metadata.seq_lens if seq is None else seq).repeat_interleave(
                 torch.diff(attn_metadata.query_start_loc)
             )
             index = self.rotary_emb.table_index(positions, lens)
