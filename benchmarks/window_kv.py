@@ -7,9 +7,9 @@ Measured: one request of 32,752 prompt tokens + 18 greedy tokens through kvledge
 step: "held" is the pool when the request's context reaches 32,768 tokens (used blocks times
 bytes per block), "peak" the most it held at any step (a prefill chunk adds its own blocks). Two tiny models share the shape (12 layers,
 window 1024, 2 KV heads x 16): "gemma3-like" with Gemma 3's 5:1 local/global pattern, and
-"all-local" with every layer sliding. kvledger's block manager frees blocks outside the window
-only when every layer has one (one block holds all layers' K/V); the ledger also gives the
-per-layer-type figure a hybrid manager would reach (vLLM's hybrid KV cache manager).
+"all-local" with every layer sliding. The Gemma-3-like model runs twice: with kvledger's KV cache
+groups (vLLM's hybrid KV cache manager layout: sliding groups free blocks outside the window) and
+with --disable-hybrid-kv-cache-manager (one block table for every layer: nothing freed).
 
     python -m benchmarks.window_kv
 """
@@ -42,6 +42,9 @@ def ledger_gemma3_27b(context: int) -> None:
           f"{format_bytes(wo)} without ({wo / w:.2f}x)")
     print(f"  {context:,}-token requests that fit: {plan.max_concurrency_with_window_freeing} with, "
           f"{plan.max_concurrency_without_window_freeing} without")
+    print(f"  kvledger's pool: {plan.num_full_groups} full + {plan.num_sliding_groups} sliding KV cache "
+          f"groups of {plan.group_size} layers: {plan.blocks_per_request:,} blocks = "
+          f"{format_bytes(plan.request_cost_bytes(context))} per request, {plan.max_concurrency} fit")
 
 
 def build(path: Path, all_local: bool) -> None:
@@ -59,14 +62,15 @@ def build(path: Path, all_local: bool) -> None:
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
 
 
-def measure(name: str, all_local: bool, chunk: int) -> None:
+def measure(name: str, all_local: bool, chunk: int, disable_hybrid: bool = False) -> None:
     from kvledger import LLM, SamplingParams
     from kvledger.ledger.accounting import format_bytes, load_model_spec, request_kv
 
     with tempfile.TemporaryDirectory() as d:
         build(Path(d), all_local)
         spec = load_model_spec(d)
-        llm = LLM(d, block_size=16, max_num_batched_tokens=chunk, calibrate_preemption=False)
+        llm = LLM(d, block_size=16, max_num_batched_tokens=chunk, calibrate_preemption=False,
+                  disable_hybrid_kv_cache_manager=disable_hybrid)
         eng = llm.engine
         prompt = [3 + i % 250 for i in range(CONTEXT - 16)]
         sp = SamplingParams(temperature=0, max_tokens=18, ignore_eos=True)
@@ -81,17 +85,19 @@ def measure(name: str, all_local: bool, chunk: int) -> None:
         seconds = time.perf_counter() - t0
         measured = held * snap.bytes_per_block
         r = request_kv(spec, CONTEXT, 16, "auto")
+        ledger = r.bytes_without_window_freeing if disable_hybrid else r.bytes
+        groups = len(eng.kv_layout.groups)
         print(f"\nmeasured: {name} ({spec.num_full_layers} full + {spec.num_sliding_layers} sliding, "
               f"float32), {CONTEXT:,} tokens in chunks of {chunk}, {seconds:.1f} s")
         print(f"  pool at {CONTEXT:,} tokens: {held:,} blocks x {snap.bytes_per_block:,} B = "
-              f"{format_bytes(measured)} (peak {peak:,} blocks; kvledger frees window blocks: "
-              f"{r.window_freeing})")
-        print(f"  ledger   : {format_bytes(r.bytes)} held by kvledger's pool; "
+              f"{format_bytes(measured)} (peak {peak:,} blocks; {groups} KV cache group(s) of "
+              f"{eng.kv_layout.group_size} layers)")
+        print(f"  ledger   : {format_bytes(ledger)} held by kvledger's pool; "
               f"{format_bytes(r.bytes_with_window_freeing)} with window freeing, "
               f"{format_bytes(r.bytes_without_window_freeing)} without")
-        print(f"  measured == ledger: {measured == r.bytes}")
+        print(f"  measured == ledger: {measured == ledger}")
         print(json.dumps({"model": name, "held_blocks": held, "peak_blocks": peak, "measured_bytes": measured,
-                          "ledger_bytes": r.bytes}))
+                          "ledger_bytes": ledger}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     print_header(f"KV held by one {CONTEXT:,}-token request: sliding windows freed or not")
     ledger_gemma3_27b(CONTEXT)
     measure("gemma3-like", all_local=False, chunk=args.chunk)
+    measure("gemma3-like, --disable-hybrid-kv-cache-manager", all_local=False, chunk=args.chunk, disable_hybrid=True)
     measure("all-local", all_local=True, chunk=args.chunk)
 
 

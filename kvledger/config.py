@@ -34,6 +34,9 @@ class SchedulerConfig:
     recompute_threshold: int | None = None  # override: recompute below this many tokens
     max_preemptions_before_protect: int = 3  # after this many, a request is evicted last
     watermark_blocks: int = 0  # blocks kept free at admission so decodes rarely preempt
+    # vLLM's flag: hybrid (full + sliding) models keep one block table for all layers, so the
+    # sliding layers' blocks outside the window are not freed (kvledger.cache.kv_cache_groups).
+    disable_hybrid_kv_cache_manager: bool = False
 
     def validate(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

@@ -130,3 +130,15 @@ def test_longrope_matches_hf_across_the_switch_point(tmp_path):
             assert [c.token_ids for c in o.outputs] == [hf_greedy(hf, p, sp.max_tokens)] * sp.n
     assert llm.engine.scheduler.num_rope_recomputes >= 2 * 3  # two children + one, per round
     assert llm.ledger().prefix_cache_hits > 0
+
+
+def test_disable_hybrid_kv_cache_manager_keeps_one_table(tmp_path):
+    """vLLM's --disable-hybrid-kv-cache-manager: one block table (and pool block) for every
+    layer of a hybrid model, nothing freed, the same tokens."""
+    hf = build_hf_model(tiny_config("gemma2"), tmp_path)
+    llm = LLM(str(tmp_path), block_size=4, calibrate_preemption=False, disable_hybrid_kv_cache_manager=True)
+    eng = llm.engine
+    assert not eng.kv_layout.is_hybrid and eng.kv_pool.num_layers == 3 and not eng.kv.windowed
+    prompt = list(range(5, 25))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)

@@ -36,6 +36,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "router can recompute them; builtin is Python's hash(), faster but salted per process",
     )
     g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="full + sliding-window models: one block table for every layer (window blocks are not freed)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--revision", default=None, help="hub model revision: branch, tag or commit (default: main)"
@@ -86,6 +91,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
         "enable_chunked_prefill": not args.no_chunked_prefill,
+        "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
         "seed": args.seed,
         "attention_backend": args.attention_backend,
     }

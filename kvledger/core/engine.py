@@ -108,7 +108,10 @@ class LLMEngine:
         self.bytes_per_token = kv_bytes.total  # K/V data + quantisation scales
         # Hybrid models (full + sliding layers): KV cache groups over one pool whose block holds
         # group_size layers, so the sliding groups can free blocks outside their window.
-        self.kv_layout = kv_cache_layout(self.spec.layer_windows)
+        windows = self.spec.layer_windows
+        if sc.disable_hybrid_kv_cache_manager and self.spec.uniform_window is None:
+            windows = [None] * len(windows)  # every layer allocated as full attention (vLLM's)
+        self.kv_layout = kv_cache_layout(windows)
         if self.kv_layout.is_hybrid:
             self.bytes_per_token = kv_bytes.total // self.spec.num_layers * self.kv_layout.group_size
         self.scale_bytes_per_token = kv_bytes.scale_bytes
