@@ -56,13 +56,14 @@ def test_load_outweighs_a_small_overlap_but_not_a_large_one():
     r = Router(2, "cache_aware", BS)
     r.replicas[0].index.apply_payload(0, _stored_payload(PREFIX))
     busy = r.replicas[0]
-    # The prefix saves 62 blocks of prefill and 62 of KV on replica 0: worth 124 blocks of load.
-    busy.queued_tokens = 100 * BS  # 100 blocks of queued prefill: still cheaper than recomputing
+    # The prefix saves 62 blocks of KV and 62 of prefill (weighted 0.25) on replica 0:
+    # cost 1.6 + 0.25 x queued blocks there, against 78.6 on the empty replica.
+    busy.queued_tokens = 300 * BS  # 300 blocks of queued prefill: still cheaper than recomputing
     assert r.choose(PREFIX + [5]).rank == 0
-    busy.queued_tokens = 130 * BS  # now more than the prefix is worth
+    busy.queued_tokens = 320 * BS  # now more than the prefix is worth
     assert r.choose(PREFIX + [5]).rank == 1
     busy.queued_tokens = 0
-    busy.tail_blocks = 130  # KV usage counts too
+    busy.tail_blocks = 80  # KV usage counts too
     assert r.choose(PREFIX + [5]).rank == 1
 
 

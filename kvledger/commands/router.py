@@ -33,7 +33,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--tokenizer", default=None, help="the workers' tokenizer (model folder or hub id)")
     p.add_argument("--block-size", type=int, default=16, help="the workers' --block-size")
     p.add_argument("--prefix-caching-hash-algo", choices=PREFIX_CACHING_HASH_ALGOS, default="sha256")
-    p.add_argument("--overlap-weight", type=float, default=1.0, help="weight of prefill blocks in the cost")
+    p.add_argument("--overlap-weight", type=float, default=0.25, help="weight of prefill blocks against KV blocks in the cost (Dynamo: 1.0; see kvledger/router/policy.py)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
 

@@ -43,7 +43,7 @@ class RouterConfig:
     policy: str = "cache_aware"
     block_size: int = 16
     hash_algo: str = "sha256"
-    overlap_weight: float = 1.0
+    overlap_weight: float = 0.25  # kvledger.router.policy.DEFAULT_OVERLAP_WEIGHT
     tokenizer: str | None = None  # folder or hub id; needed by cache_aware
     health_interval_s: float = 2.0
     default_max_tokens: int = 16
