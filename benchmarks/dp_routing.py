@@ -6,7 +6,8 @@ vs kvledger's exact cache-aware dispatch, over the same 2 kvledger replicas (1 t
 Workload (``multi_tenant_workload``): 16 tenants, each a system prompt of 500-2,000 tokens;
 512 requests arriving Poisson at ``--rate``/s, each a tenant's system prompt (chosen uniformly)
 plus a 20-80-token question, answering 16-64 tokens (``ignore_eos``, greedy), streamed
-``/v1/completions`` with token-id prompts. The model: kvledger-tiny's weights (random, 4 layers
+``/v1/completions``. Prompts are text (random lowercase words, lengths measured with the
+model's tokenizer): sglang-router refuses token-id prompts. The model: kvledger-tiny's weights (random, 4 layers
 x 256, float32) with its context raised to 4,096 positions, so 2,000-token prompts fit. Each
 replica's pool (``--num-kv-blocks`` x 16 tokens) holds about half the tenants' prompts: where a
 request lands decides whether its prefix is cached.
@@ -50,27 +51,44 @@ CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni")
 class Req:
     arrival: float
     tenant: int
-    question: list[int]
+    question: str
     max_tokens: int
 
 
+def _words(rng: random.Random, tok, target: int) -> str:
+    """Random lowercase words whose tokenization is ``target`` tokens, or just under."""
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+        for _ in range(target)
+    ]
+    lo, hi = 1, len(words)
+    while lo < hi:  # the most words that fit in target tokens
+        mid = (lo + hi + 1) // 2
+        if len(tok(" ".join(words[:mid]), add_special_tokens=False).input_ids) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
+
+
 def multi_tenant_workload(
+    tok,
     num_requests: int = 512,
     rate: float = 4.0,
     num_tenants: int = 16,
     prompt_range: tuple[int, int] = (500, 2000),
     question_range: tuple[int, int] = (20, 80),
     output_range: tuple[int, int] = (16, 64),
-    vocab: int = 512,
     seed: int = 0,
-) -> tuple[list[list[int]], list[Req]]:
-    """(tenant system prompts as token ids, requests with Poisson arrivals)."""
+) -> tuple[list[str], list[Req]]:
+    """(tenant system prompts, requests with Poisson arrivals), as text: sglang-router's
+    /v1/completions takes text prompts only (a token-id list is refused)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(num_tenants)]
+    prompts = [_words(rng, tok, rng.randint(*prompt_range)) + "\n" for _ in range(num_tenants)]
     t, reqs = 0.0, []
     for _ in range(num_requests):
         t += rng.expovariate(rate)
-        q = [rng.randrange(3, vocab) for _ in range(rng.randint(*question_range))]
+        q = _words(rng, tok, rng.randint(*question_range))
         reqs.append(Req(t, rng.randrange(num_tenants), q, rng.randint(*output_range)))
     return prompts, reqs
 
@@ -146,7 +164,7 @@ def ledger_counts(servers: list[Server]) -> tuple[int, int]:
     return q, h
 
 
-async def drive(url: str, prompts: list[list[int]], reqs: list[Req]) -> dict[str, Any]:
+async def drive(url: str, prompts: list[str], reqs: list[Req]) -> dict[str, Any]:
     ttft: list[float] = []
     out_tokens = 0
     errors = 0
@@ -184,10 +202,12 @@ async def drive(url: str, prompts: list[list[int]], reqs: list[Req]) -> dict[str
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=None)) as c:
         await asyncio.gather(*(one(c, r) for r in reqs))
     wall = last - t0
+    if errors:
+        print(f"  {errors} requests failed", flush=True)
     return {
         "duration_s": wall,
         "output_tokens": out_tokens,
-        "throughput_tok_s": out_tokens / wall,
+        "throughput_tok_s": out_tokens / wall if wall > 0 else 0.0,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99),
         "errors": errors,
@@ -227,9 +247,13 @@ def main() -> None:
     print(f"command : {' '.join(sys.orig_argv)}")
     print(f"machine : {m['cpu_model']}, {m['cores']} cores; flags: {' '.join(f for f in CPU_FLAGS if f in flags)}")
     folder = model_folder()
-    prompts, reqs = multi_tenant_workload(a.num_requests, a.rate, seed=a.seed)
-    print(f"workload: {len(prompts)} tenants, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens "
-          f"({sum(map(len, prompts))} in all), {len(reqs)} requests at {a.rate}/s Poisson; "
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    prompts, reqs = multi_tenant_workload(tok, a.num_requests, a.rate, seed=a.seed)
+    plen = [len(tok(p).input_ids) for p in prompts]
+    print(f"workload: {len(prompts)} tenants, system prompts {min(plen)}-{max(plen)} tokens "
+          f"({sum(plen)} in all), {len(reqs)} requests at {a.rate}/s Poisson; "
           f"pool {a.num_kv_blocks} blocks x 16 tokens per replica")
     out = BENCH_OUT / "dp_routing"
     out.mkdir(parents=True, exist_ok=True)
