@@ -129,6 +129,28 @@ def _args(call) -> dict:
     return json.loads(call.function.arguments)
 
 
+def _streamed(client, **kw):
+    """(content, calls, finish_reason, logprob tokens) put together from a stream's chunks,
+    checking the fragments' shape: the first of a call has id, type and name, then arguments."""
+    content, calls, finish, tokens = "", {}, None, []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        content += ch.delta.content or ""
+        finish = ch.finish_reason or finish
+        tokens += [t.token for t in (ch.logprobs.content or [])] if ch.logprobs else []
+        for tc in ch.delta.tool_calls or []:
+            if tc.index not in calls:
+                assert tc.id and tc.type == "function" and tc.function.name, tc
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": "", "pieces": 0}
+            else:
+                assert tc.id is None and tc.function.name is None, tc
+            calls[tc.index]["arguments"] += tc.function.arguments or ""
+            calls[tc.index]["pieces"] += 1
+    return content, [calls[k] for k in sorted(calls)], finish, tokens
+
+
 def test_tool_call_round_trip(client):
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "Weather in Paris?"}]
@@ -146,14 +168,10 @@ def test_tool_call_round_trip(client):
         if choice != "required":
             assert [c.function.name for c in msg.tool_calls] == ["get_weather"]
         # Streamed: the same calls as delta.tool_calls fragments.
-        calls: dict[int, dict] = {}
-        for chunk in client.chat.completions.create(stream=True, **kw):
-            for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-                d = calls.setdefault(tc.index, {"name": "", "arguments": ""})
-                d["name"] += tc.function.name or ""
-                d["arguments"] += tc.function.arguments or ""
-        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
-            (c.function.name, _args(c)) for c in msg.tool_calls
+        content, calls, finish, _ = _streamed(client, **kw)
+        assert content == "" and finish == r.choices[0].finish_reason
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in msg.tool_calls
         ]
     # The history goes back through the template: the assistant's call and the tool's result.
     call = msg.tool_calls[0]
@@ -173,3 +191,25 @@ def test_parallel_tool_calls_false_allows_one_call(client):
                                        max_tokens=150, temperature=1.0, seed=3, n=3)
     for c in r.choices:
         assert len(c.message.tool_calls) == 1
+
+
+def test_auto_tool_calls_stream_like_vllm(client):
+    """tool_choice auto with the hermes parser: the constraint makes the tiny model write text
+    then a <tool_call> block; the stream sends the text as content, then the call in pieces,
+    with logprobs, adding up to the non-streamed message."""
+    model = client.models.list().data[0].id
+    regex = (r'Ok\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", '
+             r'"unit": "(c|f)"\}\}</tool_call>')
+    kw = dict(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+              tool_choice="auto", max_tokens=120, temperature=0, logprobs=True, top_logprobs=2,
+              extra_body={"structured_outputs": {"regex": regex}})
+    r = client.chat.completions.create(**kw)
+    msg, full = r.choices[0].message, r.choices[0]
+    assert msg.content == "Ok. " and full.finish_reason == "tool_calls"
+    assert [c.function.name for c in msg.tool_calls] == ["get_weather"]
+    jsonschema.validate(_args(msg.tool_calls[0]), WEATHER["function"]["parameters"])
+    content, calls, finish, tokens = _streamed(client, **kw)
+    assert (content, finish) == (msg.content, "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+    assert calls[0]["pieces"] > 3  # the arguments came in fragments, not in one piece at the end
+    assert tokens == [t.token for t in full.logprobs.content]

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvledger.errors import InvalidRequestError
+from kvledger.server.tool_stream import ToolCallStream
 from kvledger.server.tools import (
     ToolChoice,
     check_tools,
@@ -14,6 +15,7 @@ from kvledger.server.tools import (
     forced_calls,
     parse_tool_calls,
     resolve_tool_choice,
+    tool_output,
 )
 
 W = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -40,7 +42,7 @@ def test_llama3_json():
 
 def test_mistral():
     content, found = parse_tool_calls("mistral", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]')
-    assert content == "Sure." and found[0].name == "get_weather" and json.loads(found[0].arguments) == {"city": "Rome"}
+    assert content == "Sure. " and found[0].name == "get_weather" and json.loads(found[0].arguments) == {"city": "Rome"}
     assert len(found[0].id) == 9 and found[0].id.isalnum()
 
 
@@ -68,3 +70,64 @@ def test_tool_choice_rules():
     assert [(c.name, json.loads(c.arguments)) for c in got] == [("get_weather", {"city": "X"})]
     assert forced_calls('{"city": "Y"}', ToolChoice("named", "get_weather"))[0].name == "get_weather"
     assert forced_calls('{"city": "Y', ToolChoice("named", "get_weather")) == []
+
+
+STREAM_CASES = [
+    ("hermes", 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\u00eds", "days": [1, 2.50]}}\n'
+               '</tool_call>\n<tool_call>{"arguments":{"zone":"utc"},"name":"get_time"}</tool_call>'),
+    ("hermes", "Just text, and a < sign <tool_"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": {"b": [true, null, -1e2]}}}</tool_call>'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city":"Oslo"}} ; {"name": "f", "parameters": {}}'),
+    ("llama3_json", "  Hello {not a call}"),
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome\\n"}}, {"name": "g", "arguments": {}}]'),
+    ("mistral", "[TOOL_CALLS] {\"name\": \"h\", \"arguments\": {\"x\": \"\\ud83d\\ude00\"}}"),
+    ("pythonic", '[get_weather(city="San Francisco", days=3), get_time(zone=None, ok=True)]'),
+    ("pythonic", "[1, 2]"),
+]
+
+
+@pytest.mark.parametrize("parser,text", STREAM_CASES)
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_streamed_fragments_add_up(parser, text, chunk):
+    """Fragments, fed a few characters at a time, add up to the non-streamed content and calls;
+    each call's first fragment carries id, type and name, its arguments come in pieces."""
+    choice = ToolChoice("auto")
+    content, found, finish = tool_output(choice, parser, text, "stop")
+    stream = ToolCallStream(choice, parser)
+    got_content, got, pieces = "", {}, 0
+    for i in range(0, len(text), chunk):
+        part = text[i : i + chunk]
+        c, deltas, f = stream.step(part, "stop" if i + chunk >= len(text) else None)
+        got_content += c
+        for d in deltas:
+            if d["index"] not in got:
+                assert d["type"] == "function" and d["id"] and d["function"]["name"], d
+                got[d["index"]] = {"id": d["id"], "name": d["function"]["name"], "arguments": ""}
+            else:
+                assert "name" not in d["function"] and "id" not in d
+                pieces += 1
+            got[d["index"]]["arguments"] += d["function"]["arguments"]
+    assert f == finish
+    assert got_content == (content or "")
+    assert [(g["name"], g["arguments"]) for _, g in sorted(got.items())] == [(t.name, t.arguments) for t in found]
+    if found and chunk == 1 and parser != "pythonic":
+        assert pieces > len(found)  # arguments streamed, not sent whole at the end
+
+
+@pytest.mark.parametrize("choice,text", [
+    (ToolChoice("required"), '[{"name":"get_weather","parameters":{"city":"X"}},{"name":"f","parameters":{"q":[1,{"r":"s"}]}}]'),
+    (ToolChoice("named", "get_weather"), '{"city":"Y","unit":"c"}'),
+])
+def test_streamed_forced_calls_add_up(choice, text):
+    stream = ToolCallStream(choice, None)
+    args: dict[int, str] = {}
+    names = {}
+    for i, ch in enumerate(text):
+        c, deltas, f = stream.step(ch, "stop" if i == len(text) - 1 else None)
+        assert c == ""
+        for d in deltas:
+            names.setdefault(d["index"], d["function"].get("name"))
+            args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
+    want = forced_calls(text, choice)
+    assert [(names[k], args[k]) for k in sorted(args)] == [(t.name, t.arguments) for t in want]
+    assert f == ("tool_calls" if choice.mode == "required" else "stop")

@@ -24,6 +24,7 @@ from kvledger.server.protocol import (
 )
 from kvledger.server.serving import ServingContext, chat_logprobs, render_prompt_logprobs
 from kvledger.server.streaming import SSEResponse, sse, sse_stream, until_disconnect, usage_of
+from kvledger.server.tool_stream import ToolCallStream
 from kvledger.server.tools import chat_constraint, tool_output
 
 MAX_MESSAGES = 4096  # a chat request's messages (the body limit bounds them too)
@@ -67,9 +68,11 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
                     )
                 )
 
-            # With tools in play a choice's text is held until it ends, then sent as content
-            # and/or delta.tool_calls (one fragment per call): streaming == non-streaming.
-            held: dict[int, str] = {}
+            # With tools in play each choice's text goes through a ToolCallStream: content as
+            # it is known to be content, delta.tool_calls fragments as calls form; the pieces
+            # add up to the non-streamed message. Logprobs ride with the next chunk sent.
+            tool_streams: dict[int, ToolCallStream] = {}
+            held_lps: dict[int, list] = {}
 
             def render(
                 i: int, index: int, out: RequestOutput, c: CompletionOutput, step: Any, first: bool
@@ -78,15 +81,24 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
                     return []
                 text, _, finished = step
                 if tool_choice.mode != "none":
-                    held[index] = held.get(index, "") + text
-                    if not finished:
+                    ts = tool_streams.get(index)
+                    if ts is None:
+                        ts = tool_streams[index] = ToolCallStream(tool_choice, parser)
+                    held_lps.setdefault(index, []).extend(c.logprobs or [])
+                    content, fragments, finish = ts.step(text, c.finish_reason if finished else None)
+                    if not content and not fragments and not finished:
                         return []
-                    content, calls, finish = tool_output(
-                        tool_choice, parser, held.pop(index), c.finish_reason
+                    lp_list = held_lps.pop(index)
+                    delta = DeltaMessage(content=content or None, tool_calls=fragments or None)
+                    choice = ChatStreamChoice(
+                        index=index,
+                        delta=delta,
+                        logprobs=chat_logprobs(lp_list, params.logprobs or 0)
+                        if c.logprobs is not None
+                        else None,
+                        finish_reason=finish,
                     )
-                    fragments = [t.to_openai(index=k) for k, t in enumerate(calls)]
-                    delta = DeltaMessage(content=content, tool_calls=fragments or None)
-                    return [chunk([ChatStreamChoice(index=index, delta=delta, finish_reason=finish)])]
+                    return [chunk([choice])]
                 lps = None
                 if c.logprobs is not None:
                     lps = chat_logprobs(c.logprobs, params.logprobs or 0)

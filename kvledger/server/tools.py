@@ -23,6 +23,13 @@ from kvledger.structured.params import StructuredOutputsParams
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
+def new_call_id(parser: str | None = None) -> str:
+    """A tool call's id; Mistral's chat template wants 9 alphanumeric characters."""
+    if parser == "mistral":
+        return uuid.uuid4().hex[:9]
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 @dataclass
 class ToolCall:
     name: str
@@ -31,7 +38,7 @@ class ToolCall:
 
     def __post_init__(self) -> None:
         if not self.id:
-            self.id = f"chatcmpl-tool-{uuid.uuid4().hex}"
+            self.id = new_call_id()
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -122,7 +129,7 @@ def forced_calls(text: str, choice: ToolChoice) -> list[ToolCall]:
     except json.JSONDecodeError:
         return []  # max_tokens ended it before the grammar did
     if choice.mode == "named":
-        return [ToolCall(choice.name, json.dumps(value, ensure_ascii=False))]
+        return [ToolCall(choice.name, text)]  # the arguments as generated, as vLLM sends them
     return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
 
@@ -159,7 +166,7 @@ def _hermes(text: str) -> tuple[str, list[ToolCall]]:
         if call is None:
             return text, []
         calls.append(call)
-    return text[:start].strip(), calls
+    return text[:start], calls  # content as written (not stripped), as vLLM
 
 
 def _llama3_json(text: str) -> tuple[str, list[ToolCall]]:
@@ -196,10 +203,28 @@ def _mistral(text: str) -> tuple[str, list[ToolCall]]:
     calls = [_call_from_json(v) for v in items]
     if not calls or any(c is None for c in calls):
         return text, []
-    # Mistral's chat template wants 9-character alphanumeric call ids.
     for c in calls:
-        c.id = uuid.uuid4().hex[:9]
-    return text[:start].strip(), calls  # type: ignore[return-value]
+        c.id = new_call_id("mistral")  # type: ignore[union-attr]
+    return text[:start], calls  # type: ignore[return-value]
+
+
+def _pythonic_call(node: ast.expr) -> ToolCall | None:
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args):
+        return None
+    try:
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+    except ValueError:
+        return None
+    return ToolCall(node.func.id, json.dumps(args, ensure_ascii=False))
+
+
+def pythonic_arguments(call_text: str) -> str | None:
+    """The JSON arguments of one ``name(k=v, ...)`` call; None if it is not one."""
+    try:
+        call = _pythonic_call(ast.parse(call_text.strip(), mode="eval").body)
+    except SyntaxError:
+        return None
+    return call.arguments if call is not None else None
 
 
 def _pythonic(text: str) -> tuple[str, list[ToolCall]]:
@@ -213,16 +238,10 @@ def _pythonic(text: str) -> tuple[str, list[ToolCall]]:
         return text, []
     if not isinstance(tree, ast.List) or not tree.elts:
         return text, []
-    calls = []
-    for node in tree.elts:
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args):
-            return text, []
-        try:
-            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-        except ValueError:
-            return text, []
-        calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
-    return "", calls
+    calls = [_pythonic_call(node) for node in tree.elts]
+    if any(c is None for c in calls):
+        return text, []
+    return "", calls  # type: ignore[return-value]
 
 
 _PARSERS = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "pythonic": _pythonic}
