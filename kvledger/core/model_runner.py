@@ -23,7 +23,7 @@ from kvledger.logprobs import Logprob
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
 from kvledger.model.sampler import SampleRequest, make_logprobs, sample
-from kvledger.structured.state import MaskFiller
+from kvledger.structured.state import MaskBuffer
 
 
 @dataclass
@@ -67,7 +67,7 @@ class ModelRunner:
         self.layer_group: tuple[int, ...] | None = None
         self.layer_caches = kv_pool.layers  # the model's per-layer caches (shared tensors when grouped)
         self.rope_long_from: int | None = None  # LongRoPE: see Scheduler.rope_long_from
-        self.masks = MaskFiller()  # structured outputs' per-step grammar mask
+        self.masks = MaskBuffer()  # structured outputs' per-step grammar mask
         self.generator = torch.Generator().manual_seed(seed)
         # Quantised KV with sinks / a recent window: which full-precision overlay slot each
         # request owns (kvledger.cache.kv_quant.OverlaySlots); None for unquantised caches.
@@ -160,8 +160,6 @@ class ModelRunner:
         inp = self.prepare(so)
         if self.overlay is not None:  # quantised KV: full-precision sink / window slots
             self.overlay.annotate(inp.meta, [s.request for s in so.scheduled])
-        # Structured outputs: the grammar mask is filled while the forward pass runs.
-        mask_job = self.masks.start(_owners(inp.sample_reqs))
         hidden = None
         if self.graphs is not None and inp.meta.is_pure_decode:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
@@ -177,7 +175,7 @@ class ModelRunner:
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[idx]).float().cpu()
         n_sample = len(inp.sample_rows)
-        self._sample(logits[:n_sample], inp.sample_reqs, out, mask_job)
+        self._sample(logits[:n_sample], inp.sample_reqs, out)
         off = n_sample
         for req, _, count, start in inp.prompt_rows:
             lp = logits[off : off + count].log_softmax(dim=-1)
@@ -251,9 +249,7 @@ class ModelRunner:
             )
         meta.per_layer = [metas[g] for g in self.layer_group]
 
-    def _sample(
-        self, logits: torch.Tensor, reqs: list[Request], out: RunnerOutput, mask_job=None
-    ) -> None:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], out: RunnerOutput) -> None:
         """One row per request; an n > 1 parent's first row is also sampled for its children."""
         rows: list[int] = []
         sreqs: list[SampleRequest] = []
@@ -270,18 +266,9 @@ class ModelRunner:
             return
         # Without n > 1 children every row is sampled once, in order: no copy of the logits.
         logits = logits if len(rows) == logits.shape[0] else logits[rows]
-        bitmask = mask_job.result() if mask_job is not None else None  # one mask per step
+        bitmask = self.masks.fill(owners)  # structured outputs: one packed mask per step
         tokens, logprobs = sample(logits, sreqs, self.generator, bitmask)
         for r, t, lp in zip(owners, tokens, logprobs):
             out.sampled[r.request_id] = t
             out.logprobs[r.request_id] = lp
 
-
-def _owners(reqs: list[Request]) -> list[Request]:
-    """The sampled rows' requests, in _sample's order: an n > 1 parent's children follow it."""
-    out = []
-    for req in reqs:
-        out.append(req)
-        if req.num_output_tokens == 0 and req.children:
-            out.extend(req.children)
-    return out

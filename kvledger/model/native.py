@@ -185,6 +185,8 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.kvl_silu_mul, lib.kvl_silu_mul_bf16):
         fn.argtypes = [ptr, ptr, i64, i64, c_int]
     lib.kvl_quantize_write.argtypes = [ptr, ptr, i64, c_int, ptr, i64, i64, i64, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
+    lib.kvl_masked_argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr]
+    lib.kvl_masked_argmax.restype = c_int
     for fn in (lib.kvl_small_gemm, lib.kvl_small_gemm_bf16, lib.kvl_paged_decode, lib.kvl_rope_inplace,
                lib.kvl_rope_inplace_bf16, lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul,
                lib.kvl_silu_mul_bf16, lib.kvl_quantize_write):
@@ -206,6 +208,24 @@ def _check(rc: int, what: str) -> None:
 
 def _bf16(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16
+
+
+def masked_argmax(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    """Per row of ``rows``: the argmax of a float32 logits row over the tokens the packed int32
+    grammar bitmask allows (csrc/grammar_mask.c); None where the kernels do not run here."""
+    lib = library()
+    if lib is None or logits.dtype != torch.float32 or logits.stride(1) != 1 or mask.stride(1) != 1:
+        return None
+    idx = torch.tensor(rows, dtype=torch.int64)
+    out = torch.empty(len(rows), dtype=torch.int64)
+    _check(
+        lib.kvl_masked_argmax(
+            logits.data_ptr(), logits.stride(0), logits.shape[1], mask.data_ptr(), mask.stride(0),
+            mask.shape[1], idx.data_ptr(), len(rows), out.data_ptr(),
+        ),
+        "masked_argmax",
+    )
+    return out
 
 
 def rope_(

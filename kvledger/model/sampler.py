@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from kvledger.logprobs import Logprob
+from kvledger.model import native
 from kvledger.model.logits_processor import needs_processing, process_logits
 from kvledger.sampling_params import SamplingParams
-from kvledger.structured.state import apply_bitmask
+from kvledger.structured.state import apply_bitmask, disallowed_rows
 
 
 @dataclass
@@ -67,14 +68,33 @@ def sample(
     in vLLM).
     """
     n = logits.shape[0]
+    lazy: list[int] = []  # greedy constrained rows without logprobs: masked only if needed
     if bitmask is not None:
-        apply_bitmask(logits, bitmask)
+        mask, rows = bitmask
+        eager = []
+        for i in rows:
+            p = reqs[i].params
+            (lazy if p.greedy and p.logprobs is None else eager).append(i)
+        if eager:
+            apply_bitmask(logits, (mask, eager))
     raw = logits
     proc_rows = [i for i, r in enumerate(reqs) if r.seq is not None and needs_processing(r.seq)]
     if proc_rows:  # penalties, biases, masks: on a copy, so that logprobs stay raw
         logits = logits.clone()
         process_logits(logits, proc_rows, [reqs[i].seq for i in proc_rows])
     tokens = logits.argmax(dim=-1)
+    if lazy:
+        # The unmasked argmax is the masked one whenever the grammar allows it (masking only
+        # lowers other tokens to -inf; ties keep the first index): mask and redo only the rows
+        # whose argmax the grammar forbids. Penalties and biases keep -inf at -inf, so masking
+        # after them equals masking before.
+        bad = disallowed_rows(mask, lazy, tokens)
+        if bad:
+            fixed = native.masked_argmax(logits, mask, bad)  # one pass, all-zero words skipped
+            if fixed is None:
+                apply_bitmask(logits, (mask, bad))
+                fixed = logits[bad].argmax(dim=-1)
+            tokens[bad] = fixed
     rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if rand_rows:
         probs = apply_filters(logits[rand_rows], [reqs[i].params for i in rand_rows])

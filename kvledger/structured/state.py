@@ -8,7 +8,7 @@ accepted (appended) tokens. n > 1 children fork the parent's matcher before any 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -46,33 +46,40 @@ class GrammarState:
         return m.is_terminated()
 
 
-class MaskFiller:
-    """Fills the step's bitmask in a helper thread while the model's forward pass runs.
+class MaskBuffer:
+    """The step's packed bitmask, filled on the main thread into a buffer kept across steps.
 
-    The matchers' states for a step are final once the previous step's tokens are accepted,
-    so the mask (xgrammar releases the GIL while filling) overlaps the forward pass instead
-    of adding to the step; the sampler waits for it only when the logits are ready.
+    Not in a helper thread overlapping the forward pass: xgrammar 0.2.9's
+    fill_next_token_bitmask holds the GIL (measured: a Python loop beside a filling thread
+    slows by the whole fill time), so a helper only adds GIL hand-offs (up to the 5 ms switch
+    interval each) to the step, while the fill itself is ~20 us per row.
     """
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._buf: torch.Tensor | None = None
 
-    def start(self, owners: list) -> Future | None:
+    def fill(self, owners: list) -> tuple[torch.Tensor, list[int]] | None:
+        """One row per sampled request (``owners``, in sampling order); None: none constrained."""
         states = [r.grammar for r in owners]
-        if all(s is None for s in states):
+        rows = [i for i, s in enumerate(states) if s is not None]
+        if not rows:
             return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvledger-mask")
-        vocab = next(s for s in states if s is not None).future.result().tokenizer_info.vocab_size
-        return self._pool.submit(fill_bitmask, states, vocab)
+        import xgrammar as xgr
+
+        vocab = states[rows[0]].future.result().tokenizer_info.vocab_size
+        words = (vocab + 31) // 32
+        buf = self._buf
+        if buf is None or buf.shape[0] < len(states) or buf.shape[1] != words:
+            buf = self._buf = xgr.allocate_token_bitmask(max(len(states), 16), vocab)
+        mask = buf[: len(states)]
+        for i in rows:
+            states[i].matcher.fill_next_token_bitmask(mask, i)
+        return mask, rows
 
 
 def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
-    """One packed bitmask [rows, ceil(vocab/32)] int32 for the step, and its constrained rows.
-
-    Row i is filled by ``states[i]``'s matcher; rows without a grammar are not listed (the
-    application leaves them unmasked). None when no row is constrained.
-    """
+    """One packed bitmask [rows, ceil(vocab/32)] int32 for ``states``, and its constrained rows
+    (rows without a grammar are not listed: the application leaves them unmasked)."""
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
         return None
@@ -90,3 +97,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: tuple[torch.Tensor, list[int]])
 
     mask, rows = bitmask
     xgr.apply_token_bitmask_inplace(logits, mask, indices=rows)
+
+
+def disallowed_rows(mask: torch.Tensor, rows: list[int], tokens: torch.Tensor) -> list[int]:
+    """Those of ``rows`` whose token (``tokens[row]``) the packed bitmask forbids. A token past
+    the mask's width is listed too (masking leaves it as it is, so redoing it changes nothing)."""
+    words = mask.numpy()
+    width = words.shape[1]
+    toks = tokens.tolist()
+    return [i for i in rows if (t := toks[i]) >> 5 >= width or not (int(words[i, t >> 5]) >> (t & 31)) & 1]

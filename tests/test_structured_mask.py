@@ -1,0 +1,87 @@
+"""The grammar mask on the sampling path: the fused masked argmax kernel and the sampler's
+greedy shortcut (mask only the rows whose argmax the grammar forbids) give exactly what
+applying the mask with xgrammar and taking the argmax gives."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from kvledger.core.request import Request
+from kvledger.model import native
+from kvledger.model.sampler import SampleRequest, sample
+from kvledger.sampling_params import SamplingParams
+from kvledger.structured.state import apply_bitmask, disallowed_rows
+
+
+def _random_mask(gen: torch.Generator, rows: int, vocab: int, density: float) -> torch.Tensor:
+    mask = xgr.allocate_token_bitmask(rows, vocab)
+    bits = (torch.rand(rows, mask.shape[1] * 32, generator=gen) < density).to(torch.int64)
+    words = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1)
+    mask.copy_(((words + 2**31) % 2**32 - 2**31).to(torch.int32))  # the uint32 bits as int32
+    return mask
+
+
+def _reference(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    ref = logits.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # logits wider than the mask: xgrammar warns, leaves them
+        xgr.apply_token_bitmask_inplace(ref, mask, indices=rows)
+    return ref[rows].argmax(dim=-1)
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
+@pytest.mark.parametrize("density", [0.0, 1e-4, 0.02, 0.5, 1.0])
+def test_masked_argmax_kernel_equals_apply_then_argmax(density):
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        rows, vocab = 1 + trial % 5, 1000 + 37 * trial
+        logits = torch.randn(rows, vocab + (trial % 3) * 5, generator=gen)  # sometimes wider
+        if trial % 4 == 1:
+            logits[:, ::2] = float("-inf")
+        if trial % 4 == 2:
+            logits = logits.round()  # ties: the first index wins, as in torch
+        mask = _random_mask(gen, rows, vocab, density)
+        pick = list(range(0, rows, 1 + trial % 2))
+        assert torch.equal(native.masked_argmax(logits, mask, pick), _reference(logits, mask, pick))
+
+
+def test_greedy_shortcut_samples_what_the_full_mask_does(monkeypatch):
+    """Greedy rows (with and without penalties), logprob rows and random rows in one batch."""
+    gen = torch.Generator().manual_seed(1)
+    vocab, n = 3000, 8
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(temperature=0.8, seed=5),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logit_bias={7: 5.0}),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0),
+    ]
+
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(native, "masked_argmax", lambda *a: None)  # the torch fallback
+        for density in (1e-3, 0.3, 0.97):
+            logits = torch.randn(n, vocab, generator=gen)
+            mask = _random_mask(gen, n, vocab, density)
+            rows = [0, 1, 2, 4, 5, 6]  # 3 and 7 unconstrained
+            mask[5] = -1  # everything allowed: the unmasked argmax stands
+            reqs = lambda: [  # noqa: E731
+                SampleRequest(sp, torch.Generator().manual_seed(9) if sp.seed else None,
+                              Request(f"r{i}", [1, 2, 3], sp, output_token_ids=[4, 5]))
+                for i, sp in enumerate(params)
+            ]
+            got, got_lp = sample(logits.clone(), reqs(), None, (mask, rows))
+            full = logits.clone()
+            apply_bitmask(full, (mask, rows))
+            want, want_lp = sample(full, reqs(), None, None)
+            assert got == want and got_lp == want_lp
+            for i in rows:
+                assert (int(mask[i, got[i] >> 5]) >> (got[i] & 31)) & 1  # allowed by the grammar
+            assert disallowed_rows(mask, rows, torch.tensor(got)) == []
