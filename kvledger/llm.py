@@ -79,7 +79,16 @@ class LLM:
     """Offline inference, as vLLM's ``LLM``: ``LLM(model=...).generate(prompts, params)``."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        so_config = dict(kwargs.pop("structured_outputs_config", None) or {})
+        backend = so_config.pop("backend", "auto")
+        if so_config:
+            raise ConfigError(f"structured_outputs_config: only 'backend' is read offline; got {sorted(so_config)}")
+        from kvledger.structured.backends import BACKENDS
+
+        if backend not in BACKENDS:
+            raise ConfigError(f"structured_outputs_config backend {backend!r} is not one of {', '.join(BACKENDS)}")
         self.llm_engine = LLMEngine(build_engine_config(model, **kwargs))
+        self.llm_engine.structured.backend = backend  # vLLM's StructuredOutputsConfig.backend
 
     @property
     def engine(self) -> LLMEngine:

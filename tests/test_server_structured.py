@@ -42,6 +42,10 @@ TIME = {
 }
 
 
+CLOSED = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "integer", "minimum": 0,
+          "maximum": 9}}, "required": ["a", "b"], "additionalProperties": False}
+
+
 class Person(BaseModel):
     name: str = Field(max_length=8)
     age: int = Field(ge=0, le=120)
@@ -79,6 +83,9 @@ def test_completions_fields(client):
         ({"guided_grammar": 'root ::= "a" [0-9] "b"'}, lambda t: re.fullmatch(r"a[0-9]b", t)),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}},
          lambda t: jsonschema.validate(json.loads(t), schema) is None),
+        # xgrammar has no whitespace_pattern: the server's default "auto" backend hands it to llguidance.
+        ({"guided_json": CLOSED, "guided_whitespace_pattern": "[ ]?"},
+         lambda t: jsonschema.validate(json.loads(t), CLOSED) is None and "\n" not in t),
     ]
     for extra, ok in cases:
         r = client.completions.create(model="x" if False else client.models.list().data[0].id,
@@ -96,6 +103,7 @@ def test_bad_constraints_are_400s(client):
         ({"structured_outputs": {"grammar": "root ::= foo"}}, "invalid grammar"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "only one kind"),
         ({"response_format": {"type": "xml"}}, "response_format type"),
+        ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "request-level backend selection"),
     ]
     for extra, msg in cases:
         with pytest.raises(openai.BadRequestError, match=msg):

@@ -104,7 +104,7 @@ def add_parser(subparsers: Any) -> None:
         "--structured-outputs-config",
         default=None,
         help='JSON defaults for structured outputs, e.g. \'{"disable_any_whitespace": true}\' '
-        "(backend: xgrammar only)",
+        '(backend: "auto" (default: xgrammar, llguidance for what xgrammar refuses), "xgrammar" or "guidance")',
     )
     p.add_argument(
         "--max-body-bytes",

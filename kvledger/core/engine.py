@@ -328,6 +328,8 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         self.check_params(params)
+        if params.structured_outputs is not None:
+            self.structured.resolve(params.structured_outputs)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenize(prompt)
         else:

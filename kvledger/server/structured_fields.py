@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvledger.errors import InvalidRequestError
+from kvledger.structured.backends import BACKENDS, guidance_available, resolve_backend
 from kvledger.structured.params import StructuredOutputsParams
 
 _OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
@@ -51,9 +52,14 @@ def structured_params(body: Any, defaults: dict[str, Any] | None = None) -> Stru
         found.append(("guided_json_object", {"json_object": True}))
     if getattr(body, "guided_whitespace_pattern", None) is not None:
         options["whitespace_pattern"] = body.guided_whitespace_pattern
+    server_backend = (defaults or {}).get("backend", "auto")
     backend = getattr(body, "guided_decoding_backend", None)
-    if backend is not None and backend.split(":")[0] not in ("xgrammar", "auto"):
-        raise InvalidRequestError(f"guided_decoding_backend {backend!r} is not available: only xgrammar")
+    if backend is not None and backend.split(":")[0] not in ("auto", server_backend):
+        # vLLM's rule: the backend is the server's choice, not the request's.
+        raise InvalidRequestError(
+            f"guided_decoding_backend {backend!r}: request-level backend selection is not "
+            f"supported; the server runs {server_backend!r} (--structured-outputs-config)"
+        )
     if not found:
         return None
     if len(found) > 1:
@@ -63,7 +69,9 @@ def structured_params(body: Any, defaults: dict[str, Any] | None = None) -> Stru
         )
     name, spec = found[0]
     try:
-        return StructuredOutputsParams(**spec, **options)
+        params = StructuredOutputsParams(**spec, **options)
+        resolve_backend(params, server_backend)
+        return params
     except InvalidRequestError as e:
         raise InvalidRequestError(f"{name}: {e}") from None
     except TypeError as e:  # an unknown option name
@@ -121,6 +129,9 @@ def parse_structured_outputs_config(text: str | None) -> dict[str, Any]:
             f"--structured-outputs-config: unknown keys {sorted(unknown)}; known: backend, "
             + ", ".join(_OPTIONS)
         )
-    if cfg.get("backend", "xgrammar") not in ("xgrammar", "auto"):
-        raise ConfigError("--structured-outputs-config: the only backend is xgrammar")
+    backend = cfg.get("backend", "auto")
+    if backend not in BACKENDS:
+        raise ConfigError(f"--structured-outputs-config: backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "guidance" and not guidance_available():
+        raise ConfigError("--structured-outputs-config: the guidance backend needs llguidance (pip install llguidance)")
     return cfg

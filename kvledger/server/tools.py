@@ -289,6 +289,10 @@ def chat_constraint(
             f"tool_choice {choice.mode!r} forces a tool call; it cannot be combined with "
             "response_format or structured outputs"
         )
+    if forced is not None:
+        from kvledger.structured.backends import resolve_backend
+
+        resolve_backend(forced, (defaults or {}).get("backend", "auto"))
     params.structured_outputs = forced or structured
     return choice
 

@@ -14,6 +14,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from kvledger.structured.backends import GuidanceGrammar, guidance_grammar
 from kvledger.structured.params import StructuredOutputsParams
 
 
@@ -33,12 +34,14 @@ class GrammarCompiler:
         self._cache: dict[tuple, Future] = {}
         self._lock = threading.Lock()
         self._compiler = None  # xgrammar.GrammarCompiler, built in the worker
+        self._ll_tokenizer = None  # llguidance.LLTokenizer, built in the worker
         self.num_compiled = 0
         self.num_cache_hits = 0
 
     def submit(self, params: StructuredOutputsParams) -> Future:
-        """A future of the compiled grammar (a done one when the constraint is cached)."""
-        key = params.key()
+        """A future of the compiled grammar (a done one when the constraint is cached), by the
+        backend the params were resolved to (xgrammar when not resolved)."""
+        key = (params._backend or "xgrammar", *params.key())
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
@@ -56,10 +59,28 @@ class GrammarCompiler:
         return self.submit(params).result()
 
     def _compile(self, params: StructuredOutputsParams):
+        if params._backend == "guidance":
+            return self._compile_guidance(params)
         if self._compiler is None:
             self._compiler = self._build()
         self.num_compiled += 1
         return self._compiler.compile_grammar(params.parsed_grammar)
+
+    def _compile_guidance(self, params: StructuredOutputsParams) -> GuidanceGrammar:
+        """llguidance computes masks lazily: "compiling" is checking the grammar against the
+        tokenizer's llguidance view (built once, in this thread)."""
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.stop_token_ids
+            )
+        self.num_compiled += 1
+        compiled = GuidanceGrammar(
+            self._ll_tokenizer, guidance_grammar(params), self.vocab_size, frozenset(self.stop_token_ids)
+        )
+        compiled.new_matcher()  # a grammar llguidance cannot run fails here, not in the step loop
+        return compiled
 
     def _build(self):
         import xgrammar as xgr

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvledger.core.request import Request
 from kvledger.errors import InvalidRequestError
+from kvledger.structured.backends import resolve_backend
 from kvledger.structured.compiler import GrammarCompiler
 from kvledger.structured.state import GrammarState
 
@@ -27,6 +28,7 @@ class StructuredOutputManager:
         self.stop_token_ids = stop_token_ids
         self._compiler: GrammarCompiler | None = None
         self.compiling: list[Request] = []  # parents waiting for their grammar, oldest first
+        self.backend = "auto"  # for params not resolved by the server: vLLM's default
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -35,6 +37,10 @@ class StructuredOutputManager:
                 raise InvalidRequestError("structured outputs need the model's tokenizer")
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
         return self._compiler
+
+    def resolve(self, params: Any) -> None:
+        """Choose the params' backend now (InvalidRequestError if none can run them)."""
+        resolve_backend(params, self.backend)
 
     def submit(self, parent: Request) -> bool:
         """Start compiling ``parent``'s grammar; True when it is ready now (a cache hit)."""

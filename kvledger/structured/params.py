@@ -30,6 +30,10 @@ def xgrammar_message(exc: BaseException) -> str:
     return _CHECK_FAILED.sub("", msg).strip()
 
 
+class XGrammarRefusal(InvalidRequestError):
+    """xgrammar cannot take this (valid-looking) constraint; llguidance may."""
+
+
 @dataclass
 class StructuredOutputsParams:
     json: str | dict | None = None
@@ -40,9 +44,12 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
-    disable_fallback: bool = False  # accepted for vLLM compatibility: xgrammar is the only backend
-    whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # "auto" backend: do not fall back to llguidance
+    whitespace_pattern: str | None = None  # the guidance backend's (xgrammar has none)
     _grammar: Any = field(default=None, init=False, repr=False, compare=False)
+    _xgrammar_error: str | None = field(default=None, init=False, repr=False, compare=False)
+    _guidance: str | None = field(default=None, init=False, repr=False, compare=False)
+    _backend: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.json is not None and hasattr(self.json, "model_json_schema"):
@@ -53,13 +60,38 @@ class StructuredOutputsParams:
                 "structured outputs need exactly one of json, regex, choice, grammar, "
                 f"json_object or structural_tag; got {set_kinds or 'none'}"
             )
-        if self.whitespace_pattern is not None:
-            raise InvalidRequestError("whitespace_pattern is not supported by the xgrammar backend")
-        self._grammar = self._parse()
+        try:
+            if self.whitespace_pattern is not None:
+                raise XGrammarRefusal(
+                    "whitespace_pattern is not supported by the xgrammar backend "
+                    "(the guidance backend supports it)"
+                )
+            self._grammar = self._parse()
+        except XGrammarRefusal as e:
+            # Refused now unless llguidance takes it ("guidance" / "auto" backends; the
+            # engine's backend choice, kvledger.structured.backends.resolve_backend, decides).
+            from kvledger.structured.backends import guidance_available, guidance_grammar
+
+            if not guidance_available():
+                raise
+            self._xgrammar_error = str(e)
+            try:
+                guidance_grammar(self)
+            except InvalidRequestError:
+                raise e from None
+
+    @property
+    def xgrammar_error(self) -> str | None:
+        """Why xgrammar refuses this constraint (llguidance accepts it), or None."""
+        return self._xgrammar_error
 
     @property
     def kind(self) -> str:
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def schema(self) -> dict | bool:
+        """The JSON schema of a ``json`` constraint, checked (disable_additional_properties applied)."""
+        return self._schema()
 
     def key(self) -> tuple:
         """A hashable identity of the constraint: the compiled-grammar cache's key."""
@@ -69,7 +101,8 @@ class StructuredOutputsParams:
             spec = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
         elif kind == "choice":
             spec = tuple(self.choice)
-        return (kind, spec, self.disable_any_whitespace, self.disable_additional_properties)
+        return (kind, spec, self.disable_any_whitespace, self.disable_additional_properties,
+                self.whitespace_pattern)
 
     @property
     def parsed_grammar(self):
@@ -105,18 +138,16 @@ class StructuredOutputsParams:
                 if not isinstance(self.grammar, str) or not self.grammar.strip():
                     raise InvalidRequestError("grammar must be a non-empty EBNF (GBNF) string")
                 return xgr.Grammar.from_ebnf(self.grammar)
-            if kind == "json_object":
-                if self.disable_any_whitespace:  # any object, compact
-                    return xgr.Grammar.from_json_schema(
-                        '{"type": "object"}', any_whitespace=False, strict_mode=False
-                    )
-                return xgr.Grammar.builtin_json_grammar()
+            if kind == "json_object":  # any JSON object (not any JSON value), as vLLM
+                return xgr.Grammar.from_json_schema(
+                    '{"type": "object"}', any_whitespace=not self.disable_any_whitespace, strict_mode=False
+                )
             tag = self.structural_tag
             return xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
         except InvalidRequestError:
             raise
         except Exception as e:  # xgrammar reports bad input as RuntimeError / ValueError
-            raise InvalidRequestError(f"invalid {_NAMES[kind]}: {xgrammar_message(e)}") from None
+            raise XGrammarRefusal(f"invalid {_NAMES[kind]}: {xgrammar_message(e)}") from None
 
     def _schema(self) -> dict | bool:
         schema = self.json

@@ -27,10 +27,10 @@ class GrammarState:
 
     def start(self) -> None:
         """Make the matcher (the future must be done; raises the compile error, if any)."""
-        import xgrammar as xgr
+        from kvledger.structured.backends import new_matcher
 
         if self.matcher is None:
-            self.matcher = xgr.GrammarMatcher(self.future.result())
+            self.matcher = new_matcher(self.future.result())
 
     def fork(self) -> GrammarState:
         """A copy for an n > 1 child, in the same state as this one."""
@@ -66,7 +66,9 @@ class MaskBuffer:
             return None
         import xgrammar as xgr
 
-        vocab = states[rows[0]].future.result().tokenizer_info.vocab_size
+        from kvledger.structured.backends import vocab_size_of
+
+        vocab = vocab_size_of(states[rows[0]].future.result())
         words = (vocab + 31) // 32
         buf = self._buf
         if buf is None or buf.shape[0] < len(states) or buf.shape[1] != words:
