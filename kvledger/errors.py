@@ -27,3 +27,8 @@ class CacheError(KVLedgerError, RuntimeError):
 
 class OutOfBlocksError(CacheError):
     """The block pool has too few free blocks for the operation."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (shutdown, a bug in a step, its process died); no request can
+    proceed. Not the caller's fault: the server answers 503."""

@@ -123,6 +123,14 @@ def add_parser(subparsers: Any) -> None:
         help="log level (default: info)",
     )
     p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in its own process, fed over ZMQ by the HTTP front end "
+        "(vLLM v1's split; default); --no-engine-process steps it in a thread of the server's "
+        "process",
+    )
+    p.add_argument(
         "--torch-threads",
         type=int,
         default=None,
@@ -178,17 +186,17 @@ def load_chat_template(value: str) -> str:
     return text
 
 
-def capacity_line(engine: Any) -> str:
-    """The ledger's capacity, as `kvledger plan` would state it for this pool."""
+def capacity_line(info: Any) -> str:
+    """The ledger's capacity (from an ``EngineInfo``), as `kvledger plan` would state it."""
     from kvledger.cache.kv_cache_manager import cdiv
     from kvledger.ledger.accounting import format_bytes
 
-    blocks, bs = engine.kv.pool.num_blocks, engine.kv.block_size
-    max_len = engine.max_model_len
+    blocks, bs, bpt = info.num_blocks, info.block_size, info.bytes_per_token
+    max_len = info.max_model_len
     concurrency = blocks // cdiv(max_len, bs)
     return (
         f"KV cache: {blocks:,} blocks x {bs} tokens = {blocks * bs:,} tokens, "
-        f"{engine.bytes_per_token:,} bytes/token, {format_bytes(blocks * bs * engine.bytes_per_token)}; "
+        f"{bpt:,} bytes/token, {format_bytes(blocks * bs * bpt)}; "
         f"max concurrency at max-model-len {max_len}: {concurrency} requests"
     )
 
@@ -225,7 +233,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from kvledger.core.async_core_engine import AsyncCoreEngine
     from kvledger.core.engine import LLMEngine
+    from kvledger.core.engine_info import EngineInfo
     from kvledger.llm import build_engine_config
     from kvledger.model.default import DEFAULT_MODEL_NAME
     from kvledger.server.app import ServerConfig, build_app
@@ -233,15 +243,22 @@ def run(args: argparse.Namespace) -> int:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     prometheus_client.disable_created_metrics()  # no *_created series, as in vLLM
-    engine = LLMEngine(build_engine_config(args.model, **engine_kwargs(args)))
+    engine_config = build_engine_config(args.model, **engine_kwargs(args))
+    engine: LLMEngine | AsyncCoreEngine
+    if args.engine_process:  # the engine core in its own process (vLLM v1's split)
+        engine = AsyncCoreEngine.launch(engine_config, torch_threads=args.torch_threads)
+        info = engine.info
+    else:
+        engine = LLMEngine(engine_config)
+        info = EngineInfo.from_engine(engine)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    log.info("model %s served as %s", engine.config.model, ", ".join(repr(n) for n in names))
-    log.info(capacity_line(engine))
+    log.info("model %s served as %s", info.model, ", ".join(repr(n) for n in names))
+    log.info(capacity_line(info))
     if args.model == "kvledger-tiny":
         log.warning("kvledger-tiny has fixed-seed RANDOM weights: its text is gibberish by design")
     config = ServerConfig(
         served_model_names=names,
-        model_path=str(engine.config.model),
+        model_path=info.model,
         api_key=api_keys or None,
         chat_template=template,
         max_body_bytes=max_body,
@@ -261,15 +278,19 @@ def run(args: argparse.Namespace) -> int:
         key = "?key=<key>" if api_keys else ""
         log.info("dashboard: %s://%s:%d/dashboard%s", scheme, args.host, args.port, key)
     app = build_app(engine, config)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
-        root_path=args.root_path or "",
-        ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile,
-        ssl_ca_certs=args.ssl_ca_certs,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            root_path=args.root_path or "",
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
+    finally:
+        if isinstance(engine, AsyncCoreEngine):
+            engine.shutdown()  # idempotent: also when uvicorn never started (port taken)
     return 0

@@ -19,18 +19,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
 from kvledger.core.engine import LLMEngine
-from kvledger.errors import InvalidRequestError
-from kvledger.ledger.frame import ledger_body  # shared with the dashboard's frames
+from kvledger.core.engine_info import EngineInfo, run_query
+from kvledger.errors import EngineDeadError, InvalidRequestError
 from kvledger.outputs import RequestOutput
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kvledger")
 
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shutdown, or a bug in a step); no request can proceed."""
 
 
 class EngineObserver(Protocol):
@@ -41,6 +37,38 @@ class EngineObserver(Protocol):
     def on_outputs(self, outputs: list[RequestOutput]) -> None: ...
 
 
+def tokenize_prompt(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer; send token ids")
+    return tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+
+
+def add_served_request(
+    eng: LLMEngine,
+    request_id: str,
+    ids: list[int],
+    text: str | None,
+    params: SamplingParams,
+    arrival: float,
+    priority: int,
+) -> None:
+    """Admit a server's request into the engine (the engine thread, or an engine core).
+
+    Unlike the offline API, a request whose prompt plus ``max_tokens`` exceeds the context
+    is refused (as OpenAI and vLLM do) instead of being cut short silently.
+    """
+    eng.validate_prompt(ids)
+    if params.max_tokens is not None and len(ids) + params.max_tokens > eng.max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {eng.max_model_len} tokens, but "
+            f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
+            f"{params.max_tokens} for the completion); reduce the prompt or max_tokens"
+        )
+    eng.add_request(ids, params, request_id, arrival_time=arrival, priority=priority)
+    if text is not None:
+        eng.groups[request_id].prompt = text
+
+
 class RequestStream:
     """The outputs of one request, newest first-come: iterate until ``finished``."""
 
@@ -48,6 +76,7 @@ class RequestStream:
         self.request_id = request_id
         self.delta = delta  # outputs are deltas: merge them, never drop one
         self.prompt_token_ids: list[int] = []
+        self.prompt: str | None = None
         self.finished = False
         self._owner = owner
         self._latest: RequestOutput | None = None
@@ -92,9 +121,18 @@ class RequestStream:
 
 
 class AsyncEngine:
+    """The engine in this process, stepped by a background thread.
+
+    ``AsyncCoreEngine`` (kvledger/core/async_core_engine.py) has the same API over engine
+    core processes; the server uses either through ``info``, ``tokenizer``, ``add_request``,
+    ``abort``, ``query`` and ``is_running``.
+    """
+
     def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None) -> None:
         self.engine = engine
         engine.stream_outputs = True
+        self.info = EngineInfo.from_engine(engine)
+        self.tokenizer = engine.tokenizer
         self.observer = observer
         self._lock = threading.Lock()  # held around every engine call
         self._cond = threading.Condition()  # guards _ops and wakes the engine thread
@@ -140,11 +178,8 @@ class AsyncEngine:
         priority: int = 0,
         add_special_tokens: bool = True,
     ) -> RequestStream:
-        """Tokenize, validate and queue a request; raises InvalidRequestError before queueing.
-
-        Unlike the offline API, a request whose prompt plus ``max_tokens`` exceeds the context
-        is refused (as OpenAI and vLLM do) instead of being cut short silently.
-        """
+        """Tokenize, validate and queue a request; raises InvalidRequestError before queueing
+        (``add_served_request``)."""
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic()
@@ -154,21 +189,11 @@ class AsyncEngine:
         def add() -> list[int]:
             eng = self.engine
             if isinstance(prompt, str):
-                if eng.tokenizer is None:
-                    raise InvalidRequestError("this model has no tokenizer; send token ids")
-                ids = eng.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+                ids = tokenize_prompt(eng.tokenizer, prompt, add_special_tokens)
+                text: str | None = prompt
             else:
-                ids = list(prompt)
-            eng.validate_prompt(ids)
-            if params.max_tokens is not None and len(ids) + params.max_tokens > eng.max_model_len:
-                raise InvalidRequestError(
-                    f"this model's maximum context length is {eng.max_model_len} tokens, but "
-                    f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
-                    f"{params.max_tokens} for the completion); reduce the prompt or max_tokens"
-                )
-            eng.add_request(ids, params, request_id, arrival_time=arrival, priority=priority)
-            if isinstance(prompt, str):
-                eng.groups[request_id].prompt = prompt
+                ids, text = list(prompt), None
+            add_served_request(eng, request_id, ids, text, params, arrival, priority)
             if self.observer is not None:
                 self.observer.on_request_added(len(ids))
             return ids
@@ -212,10 +237,13 @@ class AsyncEngine:
         """Run ``fn(engine)`` in the engine thread between steps: a consistent read."""
         return await self._call(lambda: fn(self.engine))
 
+    async def query(self, name: str, *args: Any) -> Any:
+        """A named read of the live engine (``engine_info.ENGINE_QUERIES``), between steps."""
+        return await self._call(lambda: run_query(self.engine, name, args))
+
     async def ledger(self) -> dict[str, Any]:
         """The live ledger (``LedgerSnapshot.to_dict()``) plus the scheduler's queue sizes."""
-
-        return await self.run_in_engine(lambda eng: ledger_body(eng.ledger(), eng.scheduler))
+        return await self.query("ledger")
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _call(self, fn: Callable[[], T]) -> T:

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 import kvledger
+from kvledger.core.async_core_engine import AsyncCoreEngine
 from kvledger.core.async_engine import AsyncEngine
 from kvledger.core.engine import LLMEngine
 from kvledger.server.errors import APIError, error_response, install_error_handlers
@@ -60,10 +61,17 @@ class ServerConfig:
         return [self.api_key] if isinstance(self.api_key, str) else list(self.api_key)
 
 
-def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+def build_app(engine: LLMEngine | AsyncCoreEngine, config: ServerConfig) -> FastAPI:
+    """The app over an engine in this process (an ``LLMEngine``: stepped by a thread) or over
+    engine core processes (an ``AsyncCoreEngine``, what ``kvledger serve`` starts)."""
     model_name = config.served_model_names[0]
     metrics = ServerMetrics(model_name)
-    aengine = AsyncEngine(engine, observer=metrics)
+    aengine: AsyncEngine | AsyncCoreEngine
+    if isinstance(engine, AsyncCoreEngine):
+        aengine = engine
+        aengine.observer = metrics
+    else:
+        aengine = AsyncEngine(engine, observer=metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,10 +1,10 @@
 """The live dashboard: ``GET /dashboard`` (one static page) and ``GET /dashboard/data`` (JSON).
 
 Kept apart from the API routes: ``mount_dashboard`` is the whole hook into the app. A frame is
-captured in the engine thread between steps (``AsyncEngine.run_in_engine``), so the block map,
+captured by the engine between steps (the named query ``dashboard_frame``), so the block map,
 the totals and the request table describe one instant; only list copies happen there, the map's
 cells are built in a worker thread. Frames are plain JSON (and the raw pool state plain lists),
-so the same calls can later cross a process boundary. A sampler keeps the last minutes of a cheap time series (KV
+so they cross the boundary to an engine core process unchanged. A sampler keeps the last minutes of a cheap time series (KV
 usage, queues, generated tokens, preemptions) from the server's start, whether or not a page is
 open. The API key rules are those of ``/v1/*``; a browser cannot send a header when it
 navigates, so the dashboard also takes the key as ``?key=``.
@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import logging
-import time
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from kvledger.core.async_engine import AsyncEngine, EngineDeadError
-from kvledger.core.engine import LLMEngine
-from kvledger.ledger.accounting import kv_bytes_per_token
-from kvledger.ledger.block_map import PoolState, build_block_map
-from kvledger.ledger.frame import SeriesHistory, capture_frame_parts, series_point
+from kvledger.errors import EngineDeadError
+from kvledger.ledger.block_map import build_block_map
+from kvledger.ledger.frame import SeriesHistory
 from kvledger.server.page import render_page
 from kvledger.server.protocol import ErrorInfo, ErrorResponse
 
@@ -40,29 +36,6 @@ CSP = (
     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
     "connect-src 'self'; img-src data:"
 )
-
-
-def reference_bytes_per_token(eng: LLMEngine) -> int:
-    """KV bytes per token in the model's own dtype: what quantised storage is measured against."""
-    name = str(eng.model_dtype).removeprefix("torch.")
-    spec = dataclasses.replace(eng.spec, dtype=name) if name != eng.spec.dtype else eng.spec
-    return kv_bytes_per_token(spec, "auto").total
-
-
-def engine_frame(eng: LLMEngine, reference_bpt: int) -> tuple[dict[str, Any], PoolState]:
-    """A frame of the live engine less its block map, and the pool state to draw it from; call
-    it in the engine thread (a few list copies: the map itself is built elsewhere)."""
-    return capture_frame_parts(
-        eng.scheduler,
-        eng.ledger(),
-        time=time.time(),
-        max_model_len=eng.max_model_len,
-        reference_bytes_per_token=reference_bpt,
-    )
-
-
-def engine_point(eng: LLMEngine) -> dict[str, float]:
-    return series_point(eng.scheduler, time.time(), eng.num_generated_tokens)
 
 
 def _unauthorized(message: str) -> JSONResponse:
@@ -88,11 +61,11 @@ def _check_key(request: Request, api_key: str | None) -> JSONResponse | None:
 
 
 def mount_dashboard(
-    app: FastAPI, aengine: AsyncEngine, model_name: str, api_key: str | None
+    app: FastAPI, aengine: Any, model_name: str, api_key: str | None
 ) -> None:
     """Add the dashboard's routes and its sampler to ``app``."""
     history = SeriesHistory(maxlen=int(HISTORY_S / SAMPLE_INTERVAL_S))
-    reference_bpt = reference_bytes_per_token(aengine.engine)
+    reference_bpt = aengine.info.reference_bytes_per_token
     router = APIRouter()
 
     @router.get("/dashboard", include_in_schema=False)
@@ -110,10 +83,10 @@ def mount_dashboard(
         denied = _check_key(request, api_key)
         if denied is not None:
             return denied
-        frame, pool = await aengine.run_in_engine(lambda eng: engine_frame(eng, reference_bpt))
+        frame, pool = await aengine.query("dashboard_frame", reference_bpt)
         frame["block_map"] = await asyncio.to_thread(build_block_map, pool)
         frame["ledger"]["model"] = model_name
-        frame["ledger"]["max_model_len"] = aengine.engine.max_model_len
+        frame["ledger"]["max_model_len"] = aengine.info.max_model_len
         return JSONResponse(
             {"mode": "live", "model": model_name, "frame": frame, "series": history.since(since)},
             headers={"Cache-Control": "no-store"},
@@ -124,7 +97,7 @@ def mount_dashboard(
     async def sample() -> None:
         while True:
             try:
-                history.add(await aengine.run_in_engine(engine_point))
+                history.add(await aengine.query("series_point"))
             except EngineDeadError:
                 return
             await asyncio.sleep(SAMPLE_INTERVAL_S)

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 import kvledger
 from kvledger.errors import InvalidRequestError
 from kvledger.server.errors import error_response
-from kvledger.server.metrics import EngineState, ServerMetrics
+from kvledger.server.metrics import ServerMetrics
 from kvledger.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -25,7 +25,7 @@ from kvledger.server.serving import ServingContext
 
 def mount_ops(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None:
     aengine, config = ctx.aengine, ctx.config
-    engine = aengine.engine
+    info = aengine.info
     model_name = ctx.model_name
     check_model, render_chat = ctx.check_model, ctx.render_chat
 
@@ -50,7 +50,7 @@ def mount_ops(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None
                     id=n,
                     created=config.created,
                     root=config.model_path,
-                    max_model_len=engine.max_model_len,
+                    max_model_len=info.max_model_len,
                 )
                 for n in config.served_model_names
             ]
@@ -60,17 +60,17 @@ def mount_ops(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None
     async def ledger() -> JSONResponse:
         d = await aengine.ledger()
         d["model"] = model_name
-        d["max_model_len"] = engine.max_model_len
+        d["max_model_len"] = info.max_model_len
         return JSONResponse(d)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        state = await aengine.run_in_engine(EngineState.capture)
+        state = await aengine.query("metrics_state")
         return Response(
             metrics.render(state), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    tokenizer = engine.tokenizer
+    tokenizer = aengine.tokenizer
 
     def need_tokenizer() -> Any:
         if tokenizer is None:
@@ -94,7 +94,7 @@ def mount_ops(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None
         ids = tok(text, add_special_tokens=add_special).input_ids
         resp = TokenizeResponse(
             count=len(ids),
-            max_model_len=engine.max_model_len,
+            max_model_len=info.max_model_len,
             tokens=ids,
             token_strs=tok.convert_ids_to_tokens(ids) if body.return_token_strs else None,
         )
@@ -104,7 +104,7 @@ def mount_ops(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         check_model(body.model)
         tok = need_tokenizer()
-        vocab = engine.vocab_size
+        vocab = info.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvledger.core.async_engine import AsyncEngine, RequestStream
+from kvledger.core.async_engine import RequestStream
 from kvledger.errors import KVLedgerError
 from kvledger.logprobs import Logprob
 from kvledger.outputs import RequestOutput, merge_deltas
@@ -43,22 +43,22 @@ def _clamp(x: float) -> float:
 class ServingContext:
     """One served model: what every endpoint reads and the checks they all make."""
 
-    aengine: AsyncEngine
+    aengine: Any  # AsyncEngine (engine in this process) or AsyncCoreEngine (core processes)
     config: Any  # ServerConfig
     tokenizer: Any = field(init=False)
     chat_template: str | None = field(init=False)
 
     def __post_init__(self) -> None:
-        engine = self.aengine.engine
-        self.tokenizer = engine.tokenizer
+        info = self.aengine.info
+        self.tokenizer = self.aengine.tokenizer
         self.chat_template = self.config.chat_template or (
             getattr(self.tokenizer, "chat_template", None) if self.tokenizer else None
         )
         self.model_name: str = self.config.served_model_names[0]
-        self.max_n: int = engine.config.scheduler.max_num_seqs
-        self.vocab: int = engine.vocab_size
+        self.max_n: int = info.max_num_seqs
+        self.vocab: int = info.vocab_size
         # generation_config.json's sampling defaults for unset options, as vLLM's server
-        self.sampling_defaults: dict[str, Any] = engine.default_sampling_params
+        self.sampling_defaults: dict[str, Any] = info.default_sampling_params
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.config.served_model_names:

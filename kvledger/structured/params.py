@@ -85,6 +85,17 @@ class StructuredOutputsParams:
         """Why xgrammar refuses this constraint (llguidance accepts it), or None."""
         return self._xgrammar_error
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the parsed grammar (a native object): an engine core process
+        parses the source again when the request reaches it."""
+        state = dict(self.__dict__)
+        state["_grammar"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._grammar = self._parse()
+
     @property
     def kind(self) -> str:
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))

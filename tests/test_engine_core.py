@@ -1,0 +1,88 @@
+"""The engine core in its own process (``kvledger serve``'s default): what the split must keep.
+
+One server for the module. Its engine core process is killed with SIGKILL at the end: the
+front end must notice, answer 503 (and /health 503) instead of hanging, and keep serving
+errors. The engine's own start-up errors still reach the user as one line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_server import STORIES, ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(p) for p in text.split()]
+
+
+@pytest.fixture(scope="module")
+def core_server(tmp_path_factory):
+    if not (STORIES / "config.json").exists():
+        pytest.skip(f"stories260k not found at {STORIES}")
+    log = tmp_path_factory.mktemp("core") / "server.log"
+    srv = ServerProcess(str(STORIES), "--torch-threads", "1", "--no-dashboard", log_path=log)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def complete(srv: ServerProcess, **kw) -> httpx.Response:
+    body = {"model": str(STORIES), "prompt": "Once upon a time", "max_tokens": 8,
+            "temperature": 0, **kw}  # fmt: skip
+    return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+
+
+def test_the_engine_runs_in_a_child_process_that_the_front_end_feeds(core_server):
+    (core,) = children(core_server.proc.pid)
+    assert "kvledger" in Path(f"/proc/{core}/cmdline").read_text()
+    r = complete(core_server)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith(", there was a little girl")
+    # Named queries cross the boundary: the ledger and the metrics read the core's pool.
+    led = httpx.get(f"{core_server.url}/v1/ledger", timeout=30).json()
+    assert led["used_blocks"] == 0 and led["total_blocks"] > 0
+    metrics = httpx.get(f"{core_server.url}/metrics", timeout=30).text
+    assert 'vllm:generation_tokens_total{engine="0"' in metrics
+
+
+def test_a_killed_engine_core_makes_the_server_answer_503_not_hang(core_server):
+    (core,) = children(core_server.proc.pid)
+    os.kill(core, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{core_server.url}/health", timeout=5).status_code == 200:
+        assert time.monotonic() < deadline, "/health still 200 after the core died"
+        time.sleep(0.05)
+    assert httpx.get(f"{core_server.url}/health", timeout=5).status_code == 503
+    r = complete(core_server)
+    assert r.status_code == 503, r.text
+    assert "engine is not running" in r.json()["error"]["message"]
+    r = complete(core_server, stream=True)
+    assert r.status_code == 503, r.text
+    assert httpx.get(f"{core_server.url}/v1/ledger", timeout=5).status_code == 503
+    assert core_server.proc.poll() is None  # the front end lives on, answering errors
+
+
+def test_an_engine_start_up_error_is_one_line(tmp_path):
+    if not (STORIES / "config.json").exists():
+        pytest.skip(f"stories260k not found at {STORIES}")
+    r = subprocess.run(
+        [sys.executable, "-m", "kvledger", "serve", str(STORIES), "--max-model-len", "100000"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert "max_model_len 100000 exceeds the model's context" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
