@@ -138,19 +138,23 @@ class Server:
             self.proc.wait()
 
 
-def kvledger_server(folder: Path, a: argparse.Namespace, log: Path) -> Server:
+# kvledger variants beside the default: NAME -> extra `kvledger serve` flags (--variant adds more)
+VARIANTS = {"kvledger": "", "kvledger-thread": "--no-engine-process"}
+
+
+def kvledger_server(folder: Path, a: argparse.Namespace, log: Path, name: str = "kvledger") -> Server:
     port = free_port()
     cmd = [
         sys.executable, "-m", "kvledger", "serve", str(folder), "--port", str(port),
         "--served-model-name", MODEL_NAME, "--dtype", "float32", "--block-size", "32",
         "--kv-cache-memory", f"{a.kv_gib}GiB", "--max-model-len", str(a.max_model_len),
-        "--log-level", "warning", *a.kvledger_args.split(),
+        "--log-level", "warning", *a.kvledger_args.split(), *VARIANTS[name].split(),
     ]  # fmt: skip
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(REPO_ROOT) not in paths:
         paths.append(str(REPO_ROOT))  # this checkout's kvledger (kept after any earlier entry)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TOKENIZERS_PARALLELISM": "false"}
-    return Server("kvledger", cmd, env, log, port)
+    return Server(name, cmd, env, log, port)
 
 
 def vllm_server(folder: Path, a: argparse.Namespace, log: Path) -> Server:
@@ -250,8 +254,13 @@ async def drive(
 ) -> tuple[list[Result], float]:
     import httpx
 
+    # Pooled connections expire before the servers' 5 s keep-alive (uvicorn's default, both
+    # servers): at equal timeouts a request can take a connection the server is closing that
+    # instant, an empty ReadError that no server can prevent (seen once at 256 streams).
     limits = httpx.Limits(
-        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+        max_connections=concurrency + 4,
+        max_keepalive_connections=concurrency + 4,
+        keepalive_expiry=2.0,
     )
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -354,8 +363,7 @@ def start_profile(
     fmt = {"svg": "flamegraph", "txt": "raw"}.get(a.profile, "speedscope")
     cmd = ["py-spy", "record", "--pid", str(server.proc.pid), "-o", str(out), "-f", fmt,
            "--rate", "200", "--nonblocking", "--threads"]  # fmt: skip
-    if server.engine == "vllm":
-        cmd.append("--subprocesses")  # its engine core is a child process
+    cmd.append("--subprocesses")  # both engine cores are child processes (kvledger-thread: none)
     print(f"  profiling {server.engine} -> {out}", flush=True)
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)
@@ -394,18 +402,20 @@ def same_tokens(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]]) -> s
 
 
 def print_table(tokenizer: str, report: dict[str, Any]) -> None:
-    kv, vl = report.get("kvledger"), report.get("vllm")
+    vl = report.get("vllm")
+    kvs = [e for e in report if e != "vllm"]
     print(f"\n-- tokenizer {tokenizer}")
     print(
         "| load | engine | tok/s | TTFT p50 / p99 ms | inter-token p50 / p99 ms "
         "| server CPU ms/tok | errors | foreign cores |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    rows = [(e, r) for e in ("vllm", "kvledger") if report.get(e) for r in report[e]["runs"]]
-    rows.sort(key=lambda er: (er[1]["concurrency"], er[1]["repeat"], er[0] != "vllm"))
+    order = ["vllm", *kvs]
+    rows = [(e, r) for e in order if report.get(e) for r in report[e]["runs"]]
+    rows.sort(key=lambda er: (er[1]["concurrency"], er[1]["repeat"], order.index(er[0])))
     for e, r in rows:
         ratio = ""
-        if e == "kvledger" and vl:
+        if e != "vllm" and vl:
             peer = next(
                 (
                     p
@@ -422,11 +432,13 @@ def print_table(tokenizer: str, report: dict[str, Any]) -> None:
             f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
             f"{r['server_cpu_ms_per_token']:.2f} | {r['num_errors']} | {r['foreign_cores_avg']:.2f} |"
         )
-    if kv and vl:
-        print(same_tokens(kv["runs"], vl["runs"]))
-        for e in ("vllm", "kvledger"):
+    for e in kvs:
+        if vl:
+            print(f"{e} vs vllm: {same_tokens(report[e]['runs'], vl['runs'])}")
+    for e in order:
+        if e in report:
             print(f"{e} start-up (to /health 200): {report[e]['startup_s']:.1f} s")
-    for e in ("vllm", "kvledger"):
+    for e in order:
         for r in report.get(e, {}).get("runs", []):
             if r.get("profile", "").endswith(".txt") and Path(r["profile"]).exists():
                 print(f"\nwhere {e}'s CPU goes ({r['requests']}x{r['concurrency']}):")
@@ -437,7 +449,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizers", default="tiny,stories", help="comma list of tiny, stories")
     ap.add_argument("--loads", default="32x8,256x64", help="REQUESTSxCONCURRENCY, comma list")
-    ap.add_argument("--engines", default="kvledger,vllm")
+    ap.add_argument(
+        "--engines",
+        default="kvledger,vllm",
+        help="comma list of vllm, kvledger (engine core process), kvledger-thread "
+        "(--no-engine-process) and --variant names",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a kvledger variant: extra `kvledger serve` flags under a name for --engines, "
+        "e.g. 'kvledger-cap512=--max-prefill-tokens-while-decoding 512'",
+    )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=8, help="warm-up requests before timing")
     ap.add_argument("--seed", type=int, default=0)
@@ -458,7 +483,13 @@ def main() -> None:
         f"machine : {m['cpu_model']}, {m['cores']} cores, {m.get('mem_gib', '?')} GiB; flags: {cpu_flags()}"
     )
     loads = parse_loads(a.loads)
+    for v in a.variant:
+        name, _, flags = v.partition("=")
+        VARIANTS[name.strip()] = flags
     engines = a.engines.split(",")
+    unknown = [e for e in engines if e != "vllm" and e not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown engine(s) {unknown}: use vllm, {', '.join(VARIANTS)}")
     full: dict[str, Any] = {"command": command_line(), "machine": m, "cpu_flags": cpu_flags()}
     for tok in a.tokenizers.split(","):
         a.current_tokenizer = tok
@@ -466,9 +497,9 @@ def main() -> None:
         print(f"\n[{tok}] model folder {folder}", flush=True)
         report: dict[str, Any] = {}
         for e in engines:
-            make = kvledger_server if e == "kvledger" else vllm_server
             log = Path(a.out_dir) / f"{e}-{tok}.log"
-            report[e] = serve_and_measure(make(folder, a, log), loads, a)
+            server = vllm_server(folder, a, log) if e == "vllm" else kvledger_server(folder, a, log, e)
+            report[e] = serve_and_measure(server, loads, a)
         full[tok] = report
         print_table(tok, report)
     save_json(full, Path(a.out_dir) / "results.json")

@@ -37,10 +37,17 @@ class SchedulerConfig:
     # vLLM's flag: hybrid (full + sliding) models keep one block table for all layers, so the
     # sliding layers' blocks outside the window are not freed (kvledger.cache.kv_cache_groups).
     disable_hybrid_kv_cache_manager: bool = False
+    # While any request decodes, a step computes at most this many prefill tokens (new
+    # prompts and chunks together), so a burst of arrivals cannot stall every stream's next
+    # token behind one long step; with no decode running the whole max_num_batched_tokens
+    # goes to prefills. None: no separate cap. Chunked prefill only.
+    max_prefill_tokens_while_decoding: int | None = None
 
     def validate(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_prefill_tokens_while_decoding is not None:
+            _positive("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)

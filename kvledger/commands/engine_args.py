@@ -27,6 +27,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=None,
+        help="while any request decodes, prefill at most this many tokens per step, so a burst "
+        "of new prompts does not stall every stream (default: no cap beyond "
+        "--max-num-batched-tokens)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument(
         "--prefix-caching-hash-algo",
@@ -111,4 +119,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["max_model_len"] = args.max_model_len
     if args.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_prefill_tokens_while_decoding is not None:
+        kw["max_prefill_tokens_while_decoding"] = args.max_prefill_tokens_while_decoding
     return kw

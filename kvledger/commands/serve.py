@@ -202,6 +202,10 @@ def capacity_line(info: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Before torch loads libgomp: OpenMP workers that spin-wait between parallel regions take
+    # the CPU that the other process (front end or engine core) needs. On 2 shared cores the
+    # engine core ran ~10x slower with spinning workers (docs/benchmarks.md, issue 24).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from kvledger.ledger.accounting import parse_size
 
     level = getattr(logging, args.log_level.upper())

@@ -32,6 +32,10 @@ class EngineInfo:
     block_size: int
     bytes_per_token: int
     reference_bytes_per_token: int  # KV bytes per token in the model's own dtype
+    max_num_batched_tokens: int = 0
+    prefix_caching_hash_algo: str = ""
+    model_type: str | None = None
+    architectures: list[str] | None = None
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     has_tokenizer: bool = True
 
@@ -52,6 +56,10 @@ class EngineInfo:
             block_size=eng.kv.block_size,
             bytes_per_token=eng.bytes_per_token,
             reference_bytes_per_token=kv_bytes_per_token(spec, "auto").total,
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+            prefix_caching_hash_algo=str(eng.kv.hash_algo),
+            model_type=eng.hf_config.get("model_type"),
+            architectures=eng.hf_config.get("architectures"),
             default_sampling_params=dict(eng.default_sampling_params),
             has_tokenizer=eng.tokenizer is not None,
         )

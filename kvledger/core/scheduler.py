@@ -174,10 +174,21 @@ class Scheduler:
         ended: list[Request] = []
         if self.rope_long_from is not None:
             self._recompute_rope_crossings()
+        # Prefill tokens this step may still take: capped while decodes run (see config).
+        prefill_left = budget
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is not None and self.config.enable_chunked_prefill and any(
+            len(r.all_token_ids) - r.num_computed_tokens == 1 for r in self.running
+        ):
+            prefill_left = min(cap, budget)
         for req in self.running:
             n = len(req.all_token_ids) - req.num_computed_tokens
             if n > budget:
                 n = budget
+            if n > 1:
+                if n > prefill_left:
+                    n = prefill_left
+                prefill_left -= n
             if n <= 0:
                 continue
             if windowed:  # blocks behind a window are released, not needed
@@ -222,6 +233,11 @@ class Scheduler:
         ):
             req = self.swapped[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n > 1:
+                n = min(n, prefill_left)
+                if n <= 0:
+                    break
+                prefill_left -= n
             need = self.kv.swap_in_blocks_needed(req.request_id, n)
             if need + self._readmit_headroom() > self.kv.num_free_blocks:
                 break
@@ -239,6 +255,7 @@ class Scheduler:
             self.waiting
             and not self.swapped
             and budget > 0
+            and prefill_left > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
@@ -252,7 +269,7 @@ class Scheduler:
             n = req.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and n > budget:
                 break
-            n = min(n, budget)
+            n = min(n, budget, prefill_left)
             need = self.kv.blocks_needed(req.request_id, n, computed)
             reserve = self.config.watermark_blocks if self.running else 0
             if req.num_preemptions:
@@ -274,6 +291,7 @@ class Scheduler:
             out.admitted.append(req.request_id)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+            prefill_left -= n
 
         for req in self.waiting:
             req.steps_waited += 1

@@ -14,11 +14,10 @@ from kvledger.server.serving import ServingContext
 
 def mount_worker_info(app: FastAPI, ctx: ServingContext) -> None:
     aengine, config = ctx.aengine, ctx.config
-    engine = aengine.engine
-    tokenizer_path = engine.config.tokenizer or config.model_path
+    info = aengine.info
+    tokenizer_path = info.tokenizer or config.model_path
 
     async def server_info() -> JSONResponse:
-        sc = engine.config.scheduler
         return JSONResponse(
             {
                 "model_path": config.model_path,
@@ -26,38 +25,35 @@ def mount_worker_info(app: FastAPI, ctx: ServingContext) -> None:
                 "tokenizer_path": tokenizer_path,
                 "dp_size": 1,
                 "version": kvledger.__version__,
-                "max_total_tokens": engine.kv.pool.num_blocks * engine.kv.block_size,
-                "max_running_requests": sc.max_num_seqs,
-                "max_prefill_tokens": sc.max_num_batched_tokens,
-                "context_length": engine.max_model_len,
-                "block_size": engine.kv.block_size,
-                "prefix_caching_hash_algo": engine.kv.hash_algo,
+                "max_total_tokens": info.num_blocks * info.block_size,
+                "max_running_requests": info.max_num_seqs,
+                "max_prefill_tokens": info.max_num_batched_tokens,
+                "context_length": info.max_model_len,
+                "block_size": info.block_size,
+                "prefix_caching_hash_algo": info.prefix_caching_hash_algo,
             }
         )
 
     async def model_info() -> JSONResponse:
-        hf = engine.hf_config
         return JSONResponse(
             {
                 "model_path": config.model_path,
                 "tokenizer_path": tokenizer_path,
                 "is_generation": True,
-                "model_type": hf.get("model_type"),
-                "architectures": hf.get("architectures"),
+                "model_type": info.model_type,
+                "architectures": info.architectures,
             }
         )
 
-    def _load(engine) -> dict:
-        s = engine.scheduler
-        return {
-            "dp_rank": 0,
-            "num_reqs": len(s.running) + len(s.waiting) + len(s.swapped),
-            "num_waiting_reqs": len(s.waiting) + len(s.swapped),
-            "num_tokens": engine.kv.num_used_blocks * engine.kv.block_size,
-        }
-
     async def get_load() -> JSONResponse:
-        return JSONResponse([await aengine.run_in_engine(_load)])
+        s = await aengine.query("load")  # engine_info's named query
+        load = {
+            "dp_rank": 0,
+            "num_reqs": s["running"] + s["waiting"] + s["swapped"],
+            "num_waiting_reqs": s["waiting"] + s["swapped"],
+            "num_tokens": s["used_blocks"] * info.block_size,
+        }
+        return JSONResponse([load])
 
     for path, fn in (("server_info", server_info), ("model_info", model_info)):
         app.get(f"/{path}")(fn)
