@@ -110,6 +110,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (see core/cuda_graphs.py)
     # vLLM's --kv-events-config: a KVEventsConfig, a dict or its JSON text; None: no events.
     kv_events_config: KVEventsConfig | dict | str | None = None
+    data_parallel_rank: int | None = None  # this engine's rank among data-parallel replicas
 
     def validate(self) -> None:
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)

@@ -147,7 +147,7 @@ class LLMEngine:
         )
         self.kv = self.scheduler.kv
         # KV events: recorded by the pool where its prefix index changes, published per step.
-        self.kv_event_publisher = make_publisher(config.kv_events_config)
+        self.kv_event_publisher = make_publisher(config.kv_events_config, config.data_parallel_rank)
         if self.kv_event_publisher is not None:
             self.kv.pool.enable_events()
         num_host_blocks = self.kv.host_pool.num_blocks if self.kv.host_pool else 0
