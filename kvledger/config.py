@@ -108,6 +108,10 @@ class EngineConfig:
     generation_config: str = "auto"
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (see core/cuda_graphs.py)
+    # CPU: create oneDNN's primitive for every GEMM shape a step can bring at start-up
+    # (model/layers.py warm_up_gemm_shapes), so a long-running server's memory is at its plateau
+    # from the first request. `kvledger serve` turns it on; offline LLM() skips the ~1 s.
+    warm_up_gemm_shapes: bool = False
     # vLLM's --kv-events-config: a KVEventsConfig, a dict or its JSON text; None: no events.
     kv_events_config: KVEventsConfig | dict | str | None = None
     data_parallel_rank: int | None = None  # this engine's rank among data-parallel replicas

@@ -122,3 +122,48 @@ def test_no_per_request_state_survives_finished_aborted_or_refused_requests(live
     eng = app.state.engine.engine
     assert eng.kv.num_used_blocks == 0
     assert sum(eng.scheduler.num_preemptions.values()) > 0, "the load was meant to preempt"
+
+
+def _malloc_in_use() -> int:
+    """Bytes glibc's malloc has handed out and not taken back (mallinfo2), mmap'd chunks included."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def test_every_gemm_shape_a_step_can_bring_exists_before_the_first_request(stories_path):
+    """oneDNN keeps a primitive per GEMM shape; created lazily, the rarer row buckets made a
+    server's memory creep for thousands of requests (110 MiB for this 1 MB model). A serving
+    engine creates them at start-up, so no row count a step can bring allocates one later
+    (without it this test sees ~100 MiB allocated)."""
+    import torch
+
+    from kvledger import LLM
+    from kvledger.model.layers import Linear
+
+    llm = LLM(str(stories_path), num_kv_blocks=64, calibrate_preemption=False, warm_up_gemm_shapes=True)
+    eng = llm.llm_engine
+    sc = eng.config.scheduler
+    model = eng.model
+    head = model.__dict__.get("tied_head") or model.lm_head
+    linears = {}  # one per weight shape, with the most rows a step gives it
+    for m in [*model.modules(), head]:
+        if isinstance(m, Linear) and m.packed is not None:
+            rows = sc.max_num_seqs if m is head else sc.max_num_batched_tokens
+            linears.setdefault((tuple(m.weight.shape), m.bias is None), (m, rows))
+    assert len(linears) >= 4
+    before = _malloc_in_use()
+    with torch.inference_mode():
+        for lin, most in linears.values():
+            for rows in range(1, most + 1, 5):  # hits every bucket (55 up to 2,048 rows)
+                lin(torch.zeros(rows, lin.weight.shape[1]))
+    grown = _malloc_in_use() - before
+    assert grown < 4 << 20, f"{grown / 2**20:.1f} MiB allocated by GEMM shapes seen after start-up"

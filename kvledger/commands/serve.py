@@ -247,7 +247,10 @@ def run(args: argparse.Namespace) -> int:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     prometheus_client.disable_created_metrics()  # no *_created series, as in vLLM
-    engine_config = build_engine_config(args.model, **engine_kwargs(args))
+    # A server runs for days: its GEMM shapes are created now, not over its first 10k requests.
+    engine_config = build_engine_config(
+        args.model, **engine_kwargs(args), warm_up_gemm_shapes=True
+    )
     engine: LLMEngine | AsyncCoreEngine
     if args.engine_process:  # the engine core in its own process (vLLM v1's split)
         engine = AsyncCoreEngine.launch(engine_config, torch_threads=args.torch_threads)

@@ -30,6 +30,7 @@ from kvledger.ledger.accounting import (
 from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.logprobs import Logprob
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
+from kvledger.model.layers import warm_up_gemm_shapes
 from kvledger.model.loader import load_model, load_tokenizer
 from kvledger.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
@@ -161,6 +162,13 @@ class LLMEngine:
         if self.kv_layout.is_hybrid:
             self.runner.layer_group = self.kv_layout.layer_group
             self.runner.layer_caches = [self.kv_pool.layers[j] for j in self.kv_layout.layer_slot]
+        if config.warm_up_gemm_shapes and self.device.type == "cpu":
+            t0 = time.perf_counter()
+            done, total = warm_up_gemm_shapes(self.model, sc.max_num_batched_tokens, sc.max_num_seqs)
+            logger.info(
+                "oneDNN GEMM shapes created at start-up: %d of %d in %.2f s",
+                done, total, time.perf_counter() - t0,
+            )
         if (
             not self.kv_layout.is_hybrid
             and self.device.type == "cuda"

@@ -141,6 +141,47 @@ def _bucketed_rows(x: torch.Tensor, matmul) -> torch.Tensor:
     return matmul(F.pad(x, (0, 0, 0, mp - m)))[:m]
 
 
+def warm_up_gemm_shapes(
+    model: nn.Module, max_rows: int, head_rows: int, flop_budget: float = 2e10
+) -> tuple[int, int]:
+    """Run each packed weight once at every row bucket a step can reach, at start-up.
+
+    oneDNN builds a primitive (~400 KB here) per GEMM shape the first time it sees it. Left to
+    traffic, the rarer buckets keep appearing for thousands of requests, so resident memory
+    creeps towards its bound (buckets x distinct weight shapes: 116 MiB for stories260k's five
+    shapes, 100x its weights) and each new shape's first step pays the creation (issue 23).
+    Creating them here puts a server at its plateau before the first request, as CUDA-graph
+    capture does on GPUs. Buckets go smallest first across all shapes, within ``flop_budget``
+    (~0.15 s): small models, where the cache dwarfs the weights, are warmed completely; large
+    ones warm their common sizes, and the rest of their cache stays small next to their weights.
+    Layer weights see up to ``max_rows`` rows (a step's token budget), the LM head ``head_rows``
+    (one per sampled request). Returns (GEMMs run, of how many shapes in all).
+    """
+    head = getattr(model, "lm_head", None) or model.__dict__.get("tied_head")
+    shapes: dict[tuple, tuple[Linear, int]] = {}
+    for m in [*model.modules(), head]:
+        if isinstance(m, Linear) and m.packed is not None:
+            if m is head and m.native_small and m.weight.dtype == torch.bfloat16:
+                continue  # bf16 LM-head rows all take the native kernel (ROW_INVARIANT)
+            key = (tuple(m.weight.shape), m.weight.dtype, m.bias is None)
+            rows = head_rows if m is head else max_rows
+            shapes[key] = (m, max(rows, shapes.get(key, (m, 0))[1]))
+    todo = []
+    for lin, rows in shapes.values():
+        lo = native.SMALL_GEMM_MAX_ROWS + 1 if lin.native_small else 1
+        todo += [(b, lin) for b in sorted({gemm_rows_bucket(r) for r in range(lo, rows + 1)})]
+    todo.sort(key=lambda t: t[0])
+    spent, done = 0.0, 0
+    with torch.inference_mode():
+        for b, lin in todo:
+            spent += 2.0 * b * lin.weight.numel()
+            if spent > flop_budget:
+                break
+            lin._big(torch.zeros(b, lin.weight.shape[1], dtype=lin.weight.dtype))
+            done += 1
+    return done, len(todo)
+
+
 def can_pack_linear(dtype: torch.dtype, device: torch.device) -> bool:
     """Linear.pack pays on CPU in float32 and bfloat16 (fp16 would be emulated by oneDNN)."""
     return (
