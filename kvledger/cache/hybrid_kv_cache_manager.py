@@ -58,6 +58,7 @@ class HybridKVCacheManager:
             for g, w in enumerate(windows)
         ]
         self.windows = list(windows)
+        self.hash_algo = hash_algo
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token
         self.bytes_per_block = bytes_per_token * block_size

@@ -203,14 +203,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_recorded(setup, trace, args: argparse.Namespace):
     """The run, with the dashboard's frames recorded along the way, written to --html."""
-    from kvledger.ledger.accounting import kv_bytes_per_token
     from kvledger.sim.html import FrameRecorder, write_html
 
     sim = setup.simulator(trace)
     recorder = FrameRecorder(
         sim,
         kv_cache_dtype=setup.kv_dtype,
-        reference_bytes_per_token=kv_bytes_per_token(setup.spec, "auto", setup.tp).total,
+        reference_bytes_per_token=_reference_bytes_per_token(setup),
     )
     result = sim.run(recorder)
     summary = {**setup.describe(), **result.summary()}
@@ -298,3 +297,14 @@ def _print_table(f: dict[str, Any], naive: bool) -> None:
     for r in rows:
         t.add_row(*r)
     Console().print(t)
+
+
+def _reference_bytes_per_token(setup) -> int:
+    """KV bytes per pool slot in the model dtype (a KV cache group's layers for hybrid models)."""
+    from kvledger.cache.kv_cache_groups import kv_cache_layout
+    from kvledger.ledger.accounting import kv_bytes_per_token
+
+    total = kv_bytes_per_token(setup.spec, "auto", setup.tp).total
+    if setup.group_windows is None:
+        return total
+    return total // setup.spec.num_layers * kv_cache_layout(setup.spec.layer_windows).group_size

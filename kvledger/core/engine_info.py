@@ -41,7 +41,6 @@ class EngineInfo:
 
     @classmethod
     def from_engine(cls, eng: LLMEngine) -> EngineInfo:
-        from kvledger.ledger.accounting import kv_bytes_per_token
 
         name = str(eng.model_dtype).removeprefix("torch.")
         spec = dataclasses.replace(eng.spec, dtype=name) if name != eng.spec.dtype else eng.spec
@@ -55,7 +54,7 @@ class EngineInfo:
             num_blocks=eng.kv.pool.num_blocks,
             block_size=eng.kv.block_size,
             bytes_per_token=eng.bytes_per_token,
-            reference_bytes_per_token=kv_bytes_per_token(spec, "auto").total,
+            reference_bytes_per_token=_reference_bytes_per_token(eng, spec),
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             prefix_caching_hash_algo=str(eng.kv.hash_algo),
             model_type=eng.hf_config.get("model_type"),
@@ -63,6 +62,16 @@ class EngineInfo:
             default_sampling_params=dict(eng.default_sampling_params),
             has_tokenizer=eng.tokenizer is not None,
         )
+
+
+def _reference_bytes_per_token(eng: LLMEngine, spec) -> int:
+    """KV bytes per pool slot in the model's own dtype (what quantised storage is measured
+    against); for a hybrid model a slot holds one KV cache group's layers."""
+    from kvledger.ledger.accounting import kv_bytes_per_token
+
+    total = kv_bytes_per_token(spec, "auto").total
+    lay = eng.kv_layout
+    return total // spec.num_layers * lay.group_size if lay.is_hybrid else total
 
 
 # -- named queries ----------------------------------------------------------------------------
