@@ -20,7 +20,7 @@ from kvledger.cache.block_hash import DEFAULT_HASH_ALGO, get_hash_fn
 from kvledger.cache.block_pool import BlockPool
 from kvledger.cache.kv_cache_manager import KVCacheManager, check_pool_holders
 from kvledger.errors import CacheError, OutOfBlocksError
-from kvledger.ledger.snapshot import LedgerSnapshot, RequestBlocks
+from kvledger.ledger.snapshot import LedgerSnapshot
 
 
 class HybridKVCacheManager:
@@ -240,24 +240,11 @@ class HybridKVCacheManager:
     def ledger(self) -> LedgerSnapshot:
         """The pool's snapshot with each request's blocks summed over its groups (a token is
         stored once per group that still holds it)."""
-        snaps = [g.ledger() for g in self.groups]
-        head = snaps[0]
-        head.tokens_stored = sum(s.tokens_stored for s in snaps)
-        used = head.used_blocks
-        head.utilization = head.tokens_stored / (used * self.block_size) if used else 1.0
-        head.prefix_cache_queries = self.prefix_cache_queries
-        head.prefix_cache_hits = self.prefix_cache_hits
-        head.cow_copies = self.num_cow_copies
-        for rid, rb in head.requests.items():
-            parts = [s.requests[rid] for s in snaps]
-            head.requests[rid] = RequestBlocks(
-                num_tokens=rb.num_tokens,
-                blocks=sum(p.blocks for p in parts),
-                private_blocks=sum(p.private_blocks for p in parts),
-                shared_blocks=sum(p.shared_blocks for p in parts),
-                swapped_blocks=sum(p.swapped_blocks for p in parts),
-            )
-        return head
+        snap = self.groups[0].ledger(self.groups)
+        snap.prefix_cache_queries = self.prefix_cache_queries
+        snap.prefix_cache_hits = self.prefix_cache_hits
+        snap.cow_copies = self.num_cow_copies
+        return snap
 
     def check_invariants(self) -> None:
         holders: dict[int, int] = {}

@@ -571,32 +571,42 @@ class KVCacheManager:
         return len(req.block_table)
 
     # -- the ledger -----------------------------------------------------------------------
-    def ledger(self) -> LedgerSnapshot:
-        """A snapshot of the live pool, computed from the same state the scheduler uses."""
+    def ledger(self, groups: list[KVCacheManager] | None = None) -> LedgerSnapshot:
+        """A snapshot of the live pool, computed from the same state the scheduler uses.
+
+        ``groups``: a hybrid model's KV cache groups sharing this pool (this one first); each
+        request's blocks are summed over them and a token counts once per group holding it."""
         bs = self.block_size
+        blocks = self.pool.blocks
         fill: dict[int, int] = {}
-        per_request = {}
-        for rid, req in self.requests.items():
-            private = shared = 0
-            for i, b in enumerate(req.block_table):
-                if b < 0:
-                    continue
-                n = min(bs, req.num_tokens - i * bs)
-                fill[b] = max(fill.get(b, 0), n)
-                if self.pool.blocks[b].ref_cnt > 1:
-                    shared += 1
-                else:
-                    private += 1
-            per_request[rid] = RequestBlocks(
-                num_tokens=req.num_tokens,
-                blocks=private + shared,
-                private_blocks=private,
-                shared_blocks=shared,
-                swapped_blocks=len(req.host_blocks),
-            )
+        per_request: dict[str, RequestBlocks] = {}
+        for m in groups or [self]:
+            for rid, req in m.requests.items():
+                private = shared = 0
+                for i, b in enumerate(req.block_table):
+                    if b < 0:
+                        continue
+                    n = min(bs, req.num_tokens - i * bs)
+                    fill[b] = max(fill.get(b, 0), n)
+                    if blocks[b].ref_cnt > 1:
+                        shared += 1
+                    else:
+                        private += 1
+                prev = per_request.get(rid)
+                if prev is not None:
+                    private += prev.private_blocks
+                    shared += prev.shared_blocks
+                per_request[rid] = RequestBlocks(
+                    num_tokens=req.num_tokens,
+                    blocks=private + shared,
+                    private_blocks=private,
+                    shared_blocks=shared,
+                    swapped_blocks=len(req.host_blocks) + (prev.swapped_blocks if prev else 0),
+                )
         used = self.pool.num_used_blocks
         tokens_stored = sum(fill.values())
-        shared_blocks = sum(1 for b in self.pool.blocks if b.ref_cnt > 1)
+        # Every used block is in some table (ref counts equal holders): no walk over the pool.
+        shared_blocks = sum(1 for b in fill if blocks[b].ref_cnt > 1)
         cached = self.pool.num_cached_free
         return LedgerSnapshot(
             total_blocks=self.pool.num_blocks,
