@@ -86,3 +86,26 @@ def test_an_engine_start_up_error_is_one_line(tmp_path):
     assert r.returncode != 0
     assert "max_model_len 100000 exceeds the model's context" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_request_crosses_the_wire_with_its_constraint():
+    """ADD carries SamplingParams pickled; a grammar is re-parsed on the far side (xgrammar's
+    native object does not pickle), and one only llguidance takes travels as its source."""
+    from kvledger.core import core_protocol as wire
+    from kvledger.sampling_params import SamplingParams
+    from kvledger.structured.backends import guidance_available
+    from kvledger.structured.params import StructuredOutputsParams as SO
+
+    constraints = [SO(regex="ab+"), SO(json={"type": "object"})]
+    if guidance_available():
+        constraints.append(SO(json={"type": "object"}, whitespace_pattern=r"[ ]?"))
+    for so in constraints:
+        params = SamplingParams(max_tokens=5, stop=["x"], structured_outputs=so)
+        rid, ids, text, back, arrival, prio = wire.decode_add(
+            wire.encode_add("r1", [5, 6], "hi", params, 12.5, 3)
+        )
+        assert (rid, ids, text, arrival, prio) == ("r1", [5, 6], "hi", 12.5, 3)
+        assert back == params  # dataclass equality: every field made it
+        got = back.structured_outputs
+        assert got.key() == so.key() and got.xgrammar_error == so.xgrammar_error
+        assert (got.parsed_grammar is None) == (so.parsed_grammar is None)

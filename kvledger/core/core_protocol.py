@@ -49,8 +49,14 @@ def encode_add(
     return _encoder.encode((rid, ids, text, pickle.dumps(params, protocol=5), arrival, priority))
 
 
+def decode_add_envelope(body: bytes) -> tuple[str, list[int], str | None, bytes, float, int]:
+    """ADD with its SamplingParams still pickled (the core unpickles it under the request's
+    own error handling)."""
+    return _add_decoder.decode(body)
+
+
 def decode_add(body: bytes) -> tuple[str, list[int], str | None, Any, float, int]:
-    rid, ids, text, params, arrival, priority = _add_decoder.decode(body)
+    rid, ids, text, params, arrival, priority = decode_add_envelope(body)
     return rid, ids, text, pickle.loads(params), arrival, priority
 
 

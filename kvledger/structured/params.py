@@ -94,7 +94,8 @@ class StructuredOutputsParams:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._grammar = self._parse()
+        if self._xgrammar_error is None:  # xgrammar took it (else llguidance's text travelled)
+            self._grammar = self._parse()
 
     @property
     def kind(self) -> str:
