@@ -31,7 +31,7 @@ def one_size(n: int, context: int, steps: int, block_size: int = 16) -> dict:
     num_blocks = n * ((context + steps + 2 * block_size) // block_size + 1)
     sched = Scheduler.build(sc, cc, num_blocks, bytes_per_token=1024)
     no_pool = SimpleNamespace(overlay=None)  # prepare() never touches the KV tensors
-    runner = ModelRunner(None, no_pool, None, sched.kv, torch.device("cpu"))
+    runner = ModelRunner(None, no_pool, None, block_size, torch.device("cpu"))
     sp = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
     for i in range(n):
         # Distinct prompts (no prefix hits), so every request owns its ~63 blocks.
@@ -44,6 +44,7 @@ def one_size(n: int, context: int, steps: int, block_size: int = 16) -> dict:
         t0 = time.perf_counter()
         so = sched.schedule()
         t1 = time.perf_counter()
+        runner.block_table.apply(so.table_deltas)
         runner.prepare(so)
         t2 = time.perf_counter()
         for req in sched.update_after_step(so, 0.0):

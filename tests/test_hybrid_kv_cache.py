@@ -164,3 +164,41 @@ def test_all_or_nothing_when_the_groups_together_do_not_fit():
     assert "a" not in kv.requests and kv.num_used_blocks == 0
     assert kv.allocate_slots("a", 12)
     kv.free("a")
+
+
+def test_runner_tables_follow_every_groups_deltas():
+    """The runner keeps one BlockTable per group, fed only by the tagged table deltas: after
+    growth, window releases, a fork, swap out and in, a trim and frees, each equals the
+    manager's table of its group (issue 17's runner-side block table)."""
+    from kvledger.core.block_table import BlockTable
+
+    kv = _manager(host=64)
+    tables = [BlockTable(rows=1, cols=2) for _ in range(3)]
+
+    def check() -> None:
+        deltas = kv.take_table_deltas()
+        assert {d.group for d in deltas.changed} <= {0, 1, 2}
+        for g, bt in enumerate(tables):
+            bt.apply(deltas, g)
+            assert set(bt.index) == set(kv.requests)
+            for rid in kv.requests:
+                assert bt.table(rid) == kv.block_tables(rid)[g], (g, rid)
+
+    tokens: list[int] = []
+    for _ in range(6):
+        _step(kv, "a", tokens, list(range(11)))
+        check()
+    kv.fork("a", "c")
+    check()
+    _step(kv, "c", list(tokens), [1, 2, 3])  # copy-on-write of the shared partial block
+    check()
+    kv.free("c")
+    kv.swap_out("a")
+    check()
+    kv.swap_in("a")
+    check()
+    kv.trim("a", 65)
+    check()
+    kv.free("a")
+    check()
+    assert all(len(bt) == 0 for bt in tables)

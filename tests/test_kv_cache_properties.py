@@ -7,6 +7,8 @@ the salt and the whole token prefix up to that position. After every step, each 
 logical positions must resolve (through its block table, or its host blocks while swapped) to
 slots holding exactly its own values, which catches any COW, swap, eviction or prefix-cache
 aliasing bug, and the manager's ledger and reference counts must agree with a shadow model.
+Device positions resolve through a runner-side ``BlockTable`` fed only by the manager's table
+deltas, so a delta that misses any change (COW, swap, release, trim, free) fails here.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hypothesis.stateful import (
 
 import kvledger.cache.block_hash as block_hash_mod
 from kvledger.cache.kv_cache_manager import KVCacheManager
+from kvledger.core.block_table import BlockTable
 from kvledger.errors import CacheError, OutOfBlocksError
 from kvledger.ledger.block_map import block_map
 
@@ -57,6 +60,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.device: dict[int, tuple] = {}  # slot -> value
         self.host: dict[int, tuple] = {}
         self.next_id = 0
+        self.tables = BlockTable(rows=2, cols=2)  # the runner's copy (small: rows and columns grow)
 
     # -- the simulated runner -------------------------------------------------------------------
     def _value(self, rid: str, pos: int) -> tuple:
@@ -267,9 +271,22 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert sum(cell["n"] for cell in bm["cells"] if "n" in cell) == sum(holders.values())
 
     @invariant()
+    def runner_tables_follow_the_deltas(self):
+        self.tables.apply(self.kv.take_table_deltas())
+        assert set(self.tables.index) == set(self.kv.requests)
+        for rid in self.kv.requests:
+            assert self.tables.table(rid) == self.kv.block_table(rid)
+            row = self.tables.index[rid]
+            assert not self.tables.array[row, len(self.kv.block_table(rid)) :].any()
+        used = set(self.tables.index.values())
+        assert not self.tables.array[[r for r in range(len(self.tables.array)) if r not in used]].any()
+
+    @invariant()
     def every_position_holds_its_own_value(self):
+        self.tables.apply(self.kv.take_table_deltas())
         for rid, toks in self.tokens.items():
             req = self.kv.requests[rid]
+            table = self.tables.table(rid)  # what a runner sees
             for pos in range(len(toks)):
                 i, o = divmod(pos, BS)
                 if not self._visible(rid, pos):
@@ -277,7 +294,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 if i in req.host_blocks:
                     got = self.host.get(req.host_blocks[i] * BS + o)
                 else:
-                    got = self.device.get(req.block_table[i] * BS + o)
+                    got = self.device.get(table[i] * BS + o)
                 assert got == self._value(rid, pos), (rid, pos, got)
 
     def teardown(self):

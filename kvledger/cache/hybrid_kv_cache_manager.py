@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from kvledger.cache.block_hash import DEFAULT_HASH_ALGO, get_hash_fn
 from kvledger.cache.block_pool import BlockPool
-from kvledger.cache.kv_cache_manager import KVCacheManager, check_pool_holders
+from kvledger.cache.kv_cache_manager import KVCacheManager, check_pool_holders, pool_fill
+from kvledger.cache.table_delta import TableDeltas
 from kvledger.errors import CacheError, OutOfBlocksError
 from kvledger.ledger.snapshot import LedgerSnapshot
 
@@ -201,6 +202,27 @@ class HybridKVCacheManager:
     def trim(self, request_id: str, num_tokens: int) -> None:
         for g in self._sliding_first:
             g.trim(request_id, num_tokens)
+
+    def take_table_deltas(self) -> TableDeltas:
+        """Every group's table changes, each delta tagged with its group (a freed request's
+        tables go in every group at once, so it is listed once)."""
+        out = TableDeltas()
+        for g, m in enumerate(self.groups):
+            d = m.take_table_deltas()
+            if g == 0:
+                out.removed = d.removed
+            for c in d.changed:
+                c.group = g
+            out.changed.extend(d.changed)
+        return out
+
+    def pool_fill(self) -> tuple[int, dict[int, int]]:
+        """The simulator's memory probe over every group's tables (they share one pool)."""
+        tables = [r for m in self.groups for r in m.requests.values()]
+        return pool_fill(self.pool, tables, self.block_size)
+
+    def resident_tokens(self) -> tuple[int, int]:
+        return self.groups[0].resident_tokens()
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         return [c for g in self.groups for c in g.take_block_copies()]

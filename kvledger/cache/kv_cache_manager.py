@@ -2,7 +2,8 @@
 
 The manager accounts; it never touches tensors. Every physical copy it needs (a COW copy, a
 swap in either direction) is returned or queued as (src, dst) block pairs for the runner to
-carry out in one batched operation per step. Operations that cannot be satisfied raise a
+carry out in one batched operation per step, and every change to a block table is queued as a
+``TableDelta`` (``take_table_deltas``) for the runner's own copy of the tables. Operations that cannot be satisfied raise a
 ``CacheError`` (or return False for the scheduler's "would it fit" questions) and leave the
 state unchanged.
 """
@@ -11,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvledger.cache.block_hash import DEFAULT_HASH_ALGO, get_hash_fn
 from kvledger.cache.block_pool import BlockPool
+from kvledger.cache.table_delta import TableDelta, TableDeltas
 from kvledger.errors import CacheError, OutOfBlocksError
 from kvledger.ledger.snapshot import LedgerSnapshot, RequestBlocks
 
@@ -36,8 +36,8 @@ def first_live_block(next_position: int, window: int, block_size: int) -> int:
 
 @dataclass(slots=True)
 class _RequestBlocks:
+    request_id: str
     block_table: list[int] = field(default_factory=list)  # -1 where the block is on the host
-    row: int = -1  # this request's row in the manager's block-table array
     num_tokens: int = 0  # token slots the table covers (computed + scheduled)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     salt: str | None = None
@@ -91,37 +91,28 @@ class KVCacheManager:
             self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
         self.hash_root = hash_root
         self.requests: dict[str, _RequestBlocks] = {}
-        # Every table mirrored into one int array, so a step's block tables are one gather
-        # (vLLM keeps the same mirror); rows are recycled, columns grow on demand.
-        self.block_table_array = np.zeros((16, 64), dtype=np.int64)
-        self._free_rows: list[int] = list(range(15, -1, -1))
+        # Table changes since the last take_table_deltas: request id -> first changed entry,
+        # and the requests whose tables were dropped.
+        self._dirty: dict[str, int] = {}
+        self._removed: list[str] = []
         self._pending_copies: list[tuple[int, int]] = []
         # Counters the ledger and the metrics read (vLLM's names where they exist).
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens served from cached blocks
         self.num_cow_copies = 0
 
-    # -- the block-table mirror ------------------------------------------------------------------
+    # -- table deltas for the runner ----------------------------------------------------------
     def _new_entry(self, request_id: str, **kw) -> _RequestBlocks:
-        if not self._free_rows:
-            n = self.block_table_array.shape[0]
-            self.block_table_array = np.concatenate([self.block_table_array, np.zeros_like(self.block_table_array)])
-            self._free_rows = list(range(2 * n - 1, n - 1, -1))
-        req = _RequestBlocks(row=self._free_rows.pop(), **kw)
+        req = _RequestBlocks(request_id, **kw)
         self.requests[request_id] = req
-        self._sync(req)
+        self._changed(request_id, 0)
         return req
 
-    def _sync(self, req: _RequestBlocks, start: int = 0) -> None:
-        """Mirror ``req.block_table[start:]`` into its array row."""
-        n = len(req.block_table)
-        if n > self.block_table_array.shape[1]:
-            cols = max(n, 2 * self.block_table_array.shape[1])
-            grown = np.zeros((self.block_table_array.shape[0], cols), dtype=np.int64)
-            grown[:, : self.block_table_array.shape[1]] = self.block_table_array
-            self.block_table_array = grown
-        if n > start:
-            self.block_table_array[req.row, start:n] = req.block_table[start:]
+    def _changed(self, request_id: str, start: int) -> None:
+        """Entries from ``start`` on of the request's table changed since the last delta."""
+        d = self._dirty.get(request_id)
+        if d is None or start < d:
+            self._dirty[request_id] = start
 
     def blocks_alone(self, num_computed_tokens: int, num_tokens: int) -> int:
         """Blocks a request needs with num_tokens slots once num_computed_tokens are computed
@@ -139,9 +130,13 @@ class KVCacheManager:
             need = min(need, cdiv(self.sliding_window + max_batched_tokens, self.block_size) + 1)
         return need
 
-    def block_table_rows(self, request_ids: list[str]) -> list[int]:
+    def take_table_deltas(self) -> TableDeltas:
+        """The table changes since the last call (the scheduler puts them in its output)."""
         reqs = self.requests
-        return [reqs[r].row for r in request_ids]
+        changed = [TableDelta(rid, s, reqs[rid].block_table[s:]) for rid, s in self._dirty.items()]
+        out = TableDeltas(self._removed, changed)
+        self._dirty, self._removed = {}, []
+        return out
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -247,7 +242,7 @@ class KVCacheManager:
             if b >= 0:
                 freed.append(b)
             req.block_table[i] = RELEASED
-        self.block_table_array[req.row, req.num_released : dead] = RELEASED
+        self._changed(req.request_id, req.num_released)
         req.num_released = dead
         self.pool.free(freed)
 
@@ -321,7 +316,7 @@ class KVCacheManager:
             (dst,) = self.pool.allocate(1)
             self.pool.free([src])
             req.block_table[idx] = dst
-            self.block_table_array[req.row, idx] = dst
+            self._changed(request_id, idx)
             self._pending_copies.append((src, dst))
             self.num_cow_copies += 1
         total = req.num_tokens + num_new_tokens
@@ -329,7 +324,7 @@ class KVCacheManager:
         if extra > 0:
             start = len(req.block_table)
             req.block_table.extend(self.pool.allocate(extra))
-            self._sync(req, start)
+            self._changed(request_id, start)
         req.num_tokens = total
         return True
 
@@ -451,8 +446,8 @@ class KVCacheManager:
         """Return every block of the request, tail first (so the tail is evicted first)."""
         req = self._get(request_id)
         del self.requests[request_id]
-        self.block_table_array[req.row, : len(req.block_table)] = 0  # rows stay zero-padded
-        self._free_rows.append(req.row)
+        self._dirty.pop(request_id, None)
+        self._removed.append(request_id)
         self.pool.free([b for b in reversed(req.block_table) if b >= 0])
         if req.host_blocks:
             self.host_pool.free(list(req.host_blocks.values()))
@@ -472,8 +467,8 @@ class KVCacheManager:
         keep = cdiv(num_tokens, self.block_size)
         if keep < len(req.block_table):
             self.pool.free([b for b in reversed(req.block_table[keep:]) if b >= 0])
-            self.block_table_array[req.row, keep : len(req.block_table)] = 0
             del req.block_table[keep:]
+            self._changed(request_id, keep)
         req.num_tokens = min(req.num_tokens, num_tokens)
         del req.block_hashes[num_tokens // self.block_size :]
 
@@ -510,7 +505,7 @@ class KVCacheManager:
             pairs.append((req.block_table[i], h))
             req.host_blocks[i] = h
             req.block_table[i] = -1
-            self.block_table_array[req.row, i] = -1
+            self._changed(request_id, i)
         req.swapped = True
         # Device blocks go back to the pool (their prefix hash stays: still reusable).
         self.pool.free([d for d, _ in reversed(pairs)])
@@ -554,7 +549,7 @@ class KVCacheManager:
         pairs = []
         for (i, h), d in zip(sorted(req.host_blocks.items()), dev):
             req.block_table[i] = d
-            self.block_table_array[req.row, i] = d
+            self._changed(request_id, i)
             pairs.append((h, d))
         self.host_pool.free([h for h, _ in pairs])
         req.host_blocks.clear()
@@ -628,6 +623,20 @@ class KVCacheManager:
             requests=per_request,
         )
 
+    def pool_fill(self) -> tuple[int, dict[int, int]]:
+        """(unique tokens stored in used blocks, {shared block: fill}): the simulator's memory
+        probe, every step (see ``pool_fill``)."""
+        return pool_fill(self.pool, list(self.requests.values()), self.block_size)
+
+    def resident_tokens(self) -> tuple[int, int]:
+        """(requests with their blocks on the device, their tokens)."""
+        resident = tokens = 0
+        for req in self.requests.values():
+            if not req.swapped:
+                resident += 1
+                tokens += req.num_tokens
+        return resident, tokens
+
     def check_invariants(self) -> None:
         """Ref counts equal the number of holders; host blocks are held exactly once."""
         holders: dict[int, int] = {}
@@ -636,13 +645,9 @@ class KVCacheManager:
         check_pool_holders(self.pool, self.host_pool, holders, host_holders)
 
     def count_holders(self, holders: dict[int, int], host_holders: dict[int, int]) -> None:
-        """Check each table against its mirror row and count its device and host blocks."""
+        """Check each table's length and count its device and host blocks."""
         for req in self.requests.values():
             assert len(req.block_table) == cdiv(req.num_tokens, self.block_size), req
-            row = self.block_table_array[req.row].tolist()
-            n = len(req.block_table)
-            assert row[:n] == req.block_table, (row[:n], req.block_table)
-            assert not any(row[n:]), "block-table rows are zero past the table"
             for b in req.block_table:
                 if b >= 0:
                     holders[b] = holders.get(b, 0) + 1
@@ -661,3 +666,46 @@ def check_pool_holders(
         host_pool.check_invariants()
         for blk in host_pool.blocks:
             assert blk.ref_cnt == host_holders.get(blk.block_id, 0)
+
+
+def pool_fill(pool: BlockPool, tables: list[_RequestBlocks], bs: int) -> tuple[int, dict[int, int]]:
+    """(unique tokens stored in used blocks, {shared block: fill}).
+
+    Fast path: sharing (prefix hits, forks) covers a prefix of each block table, so each table
+    is scanned only while its blocks are shared. The identity "table entries = used blocks +
+    sum over shared blocks of (holders - 1)" proves no shared block was missed; if it fails,
+    every block is scanned. ``tables``: every table holding blocks of ``pool`` (all KV cache
+    groups' of a hybrid model).
+    """
+    blocks = pool.blocks
+    shared: dict[int, int] = {}
+    private_tokens = entries = 0
+    for req in tables:
+        table, n = req.block_table, req.num_tokens
+        if req.swapped:  # rare: some entries are on the host
+            for i, b in enumerate(table):
+                if b >= 0:
+                    entries += 1
+                    f = min(bs, n - i * bs)
+                    if blocks[b].ref_cnt > 1:
+                        shared[b] = max(shared.get(b, 0), f)
+                    else:
+                        private_tokens += f
+            continue
+        k = 0
+        while k < len(table) and blocks[table[k]].ref_cnt > 1:
+            f = min(bs, n - k * bs)
+            if shared.get(table[k], -1) < f:
+                shared[table[k]] = f
+            k += 1
+        entries += len(table)
+        private_tokens += max(0, n - k * bs)
+    extra = sum(blocks[b].ref_cnt - 1 for b in shared)
+    if entries - extra == pool.num_used_blocks:
+        return private_tokens + sum(shared.values()), shared
+    fill: dict[int, int] = {}
+    for req in tables:
+        for i, b in enumerate(req.block_table):
+            if b >= 0:
+                fill[b] = max(fill.get(b, 0), min(bs, req.num_tokens - i * bs))
+    return sum(fill.values()), {b: f for b, f in fill.items() if blocks[b].ref_cnt > 1}

@@ -217,9 +217,8 @@ class OverlaySlots:
     ``sink_cache_misses``). Window rows served by the prefix cache are read dequantised.
     """
 
-    def __init__(self, pool: Any, kv: Any, sink_entries: int = SINK_CACHE_ENTRIES) -> None:
+    def __init__(self, pool: Any, sink_entries: int = SINK_CACHE_ENTRIES) -> None:
         self.pool = pool
-        self.kv = kv  # KVCacheManager: a holder with no block table that was never preempted is gone
         self.S = pool.sink_tokens
         self.R = pool.recent_tokens
         self.states: dict[str, _SlotState] = {}
@@ -233,20 +232,26 @@ class OverlaySlots:
     def num_used(self) -> int:
         """Slots held by live requests (without releasing the others: the ledger may be read
         from another thread than the one stepping the engine)."""
-        return sum(1 for rid, st in list(self.states.items()) if not self._gone(rid, st.req))
+        return sum(1 for st in list(self.states.values()) if not st.req.is_finished)
 
     @property
     def sink_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.sink_cache.values())
 
     def sweep(self) -> None:
-        """Release the slots of finished requests (and of requests that left without a trace)."""
+        """Release the slots of finished requests."""
         for rid, st in list(self.states.items()):
-            if self._gone(rid, st.req):
+            if st.req.is_finished:
                 self._release(rid)
 
-    def _gone(self, rid: str, req: Any) -> bool:
-        return req.is_finished or (rid not in self.kv.requests and not req.num_preemptions)
+    def drop_removed(self, request_ids: list[str]) -> None:
+        """Release the slots of requests whose block tables were dropped without a preemption
+        (they left without finishing, as the calibration's request does); a recompute victim
+        keeps its slot."""
+        for rid in request_ids:
+            st = self.states.get(rid)
+            if st is not None and not st.req.num_preemptions:
+                self._release(rid)
 
     def _release(self, rid: str) -> None:
         st = self.states.pop(rid)

@@ -45,7 +45,7 @@ def measure_prefill(engine: LLMEngine, lengths: list[int], repeats: int = 2) -> 
         req = Request("__calibrate__", [1] * n, SamplingParams(max_tokens=1, temperature=0))
         if not kv.allocate_slots(req.request_id, n):
             break
-        so = SchedulerOutput(step=0, scheduled=[ScheduledRequest(req, n)])
+        so = SchedulerOutput(step=0, scheduled=[ScheduledRequest(req, n)], table_deltas=kv.take_table_deltas())
         try:
             if i == 0:
                 runner.execute(so)  # warm-up

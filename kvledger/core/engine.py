@@ -154,7 +154,7 @@ class LLMEngine:
         num_host_blocks = self.kv.host_pool.num_blocks if self.kv.host_pool else 0
         self.host_pool = HostKVPool(num_host_blocks, self.kv_pool) if num_host_blocks else None
         self.runner = ModelRunner(
-            self.model, self.kv_pool, self.host_pool, self.kv, self.device, seed=config.seed
+            self.model, self.kv_pool, self.host_pool, cc.block_size, self.device, seed=config.seed
         )
         # LongRoPE: the table is chosen by the sequence's length, crossing it recomputes.
         rope = getattr(self.model, "rotary_emb", None)

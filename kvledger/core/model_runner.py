@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvledger.cache.kv_cache_manager import KVCacheManager
+from kvledger.cache.table_delta import TableDeltas
+from kvledger.core.block_table import BlockTable
 from kvledger.core.request import Request
 from kvledger.core.scheduler import SchedulerOutput
 from kvledger.logprobs import Logprob
@@ -51,19 +52,19 @@ class ModelRunner:
         model: torch.nn.Module,
         kv_pool: KVCachePool,
         host_pool: HostKVPool | None,
-        kv: KVCacheManager,
+        block_size: int,
         device: torch.device,
         seed: int = 0,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.host_pool = host_pool
-        self.kv = kv
         self.device = device
-        self.block_size = kv.block_size
-        # KV cache groups (hybrid models, kvledger.cache.kv_cache_groups): each group's block
-        # tables, and which group each model layer reads; a single group otherwise.
-        self.kv_groups: list[KVCacheManager] = list(getattr(kv, "groups", [kv]))
+        self.block_size = block_size
+        # The runner's own block tables, one per KV cache group (hybrid models,
+        # kvledger.cache.kv_cache_groups), updated from each step's table deltas only; and
+        # which group each model layer reads (None: one group).
+        self.block_tables: list[BlockTable] = [BlockTable()]
         self.layer_group: tuple[int, ...] | None = None
         self.layer_caches = kv_pool.layers  # the model's per-layer caches (shared tensors when grouped)
         self.rope_long_from: int | None = None  # LongRoPE: see Scheduler.rope_long_from
@@ -77,7 +78,20 @@ class ModelRunner:
         if kv_pool.overlay is not None:
             from kvledger.cache.kv_quant import OverlaySlots
 
-            self.overlay = OverlaySlots(kv_pool, kv)
+            self.overlay = OverlaySlots(kv_pool)
+
+    @property
+    def block_table(self) -> BlockTable:
+        """Group 0's tables (every layer's, unless the model is hybrid)."""
+        return self.block_tables[0]
+
+    def _apply_deltas(self, deltas: TableDeltas) -> None:
+        if deltas.changed:
+            top = max(d.group for d in deltas.changed)
+            while len(self.block_tables) <= top:
+                self.block_tables.append(BlockTable())
+        for g, bt in enumerate(self.block_tables):
+            bt.apply(deltas, g)
 
     # -- block movement --------------------------------------------------------------------
     def apply_block_ops(self, so: SchedulerOutput, out: RunnerOutput) -> None:
@@ -114,10 +128,7 @@ class ModelRunner:
         query_lens = [s.num_new_tokens for s in sched]
         starts = [r.num_computed_tokens for r in reqs]
         seq_lens = [c + n for c, n in zip(starts, query_lens)]
-        kv_tables = self.kv.requests
-        entries = [kv_tables[r.request_id] for r in reqs]
-        rows = [e.row for e in entries]  # each request's row in the manager's block-table array
-        nblocks = [len(e.block_table) for e in entries]
+        rows = self.block_table.rows([r.request_id for r in reqs])  # rows of the runner's table
         decode_only = max(query_lens) == 1
         if decode_only:  # one token each
             input_ids = [r.all_token_ids[c] for r, c in zip(reqs, starts)]
@@ -141,9 +152,9 @@ class ModelRunner:
                 if last > c:
                     prompt_rows.append((r, offsets[i], last - c, c))
         meta, positions = self._build_metadata(
-            query_lens, seq_lens, starts, rows, nblocks, self.block_size, decode_only
+            query_lens, seq_lens, starts, rows, self.block_size, decode_only
         )
-        if len(self.kv_groups) > 1:
+        if self.layer_group is not None and len(self.block_tables) > 1:
             self._group_metadata(meta, reqs, query_lens)
         if self.rope_long_from is not None:  # the table follows the whole sequence's length
             lens = np.asarray([len(r.all_token_ids) for r in reqs], dtype=np.int64)
@@ -154,6 +165,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
+        self._apply_deltas(so.table_deltas)
+        if self.overlay is not None and so.table_deltas.removed:
+            self.overlay.drop_removed(so.table_deltas.removed)
         self.apply_block_ops(so, out)
         if not so.scheduled:
             return out
@@ -191,16 +205,17 @@ class ModelRunner:
         seq_lens: list[int],
         starts: list[int],
         rows: list[int],
-        nblocks_list: list[int],
         bs: int,
         decode_only: bool = False,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         dev = self.device
         num_reqs = len(query_lens)
-        # Block tables: one gather from the manager's mirror array, whose rows are zero past
-        # each table (padding reads block 0, masked out by seq_lens).
-        max_blocks = max(nblocks_list)
-        block_tables = self.kv_groups[0].block_table_array[np.asarray(rows), :max_blocks]
+        # Block tables: one gather from the runner's array, whose rows are zero past each
+        # table (padding reads block 0, masked out by seq_lens).
+        rows_arr = np.asarray(rows)
+        bt = self.block_table
+        max_blocks = int(bt.num_blocks[rows_arr].max())
+        block_tables = bt.array[rows_arr, :max_blocks]
         if decode_only:  # one query row per request, at position start
             positions = np.asarray(starts, dtype=np.int64)
             qsl = np.arange(num_reqs + 1, dtype=np.int64)
@@ -235,10 +250,11 @@ class ModelRunner:
         pos = self._np_positions
         req_idx = np.repeat(np.arange(len(reqs)), np.asarray(query_lens, dtype=np.int64))
         metas = [meta]
-        for g in self.kv_groups[1:]:
-            entries = [g.requests[r.request_id] for r in reqs]
-            max_blocks = max(len(e.block_table) for e in entries)
-            tables = g.block_table_array[np.asarray([e.row for e in entries]), :max_blocks]
+        rids = [r.request_id for r in reqs]
+        for bt in self.block_tables[1:]:
+            rows = np.asarray(bt.rows(rids))
+            max_blocks = int(bt.num_blocks[rows].max())
+            tables = bt.array[rows, :max_blocks]
             slots = tables[req_idx, pos // bs] * bs + pos % bs
             metas.append(
                 dataclasses.replace(

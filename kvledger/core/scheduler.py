@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kvledger.cache.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvledger.cache.kv_cache_manager import KVCacheManager
+from kvledger.cache.table_delta import TableDeltas
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel, select_victim
 from kvledger.core.request import Request, RequestStatus
@@ -36,6 +37,8 @@ class SchedulerOutput:
     preempted: list[tuple[str, str]] = field(default_factory=list)  # (request_id, mode)
     admitted: list[str] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # ended by the scheduler itself
+    # Block-table changes since the previous step's output (the runner's only view of them).
+    table_deltas: TableDeltas = field(default_factory=TableDeltas)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -298,6 +301,7 @@ class Scheduler:
         for req in self.swapped:
             req.steps_waited += 1
         out.blocks_to_copy = self.kv.take_block_copies()
+        out.table_deltas = self.kv.take_table_deltas()
         return out
 
     def _kv_salt(self, req: Request) -> str | None:

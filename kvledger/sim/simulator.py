@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvledger.cache.kv_cache_manager import KVCacheManager
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.request import Request
@@ -85,51 +84,6 @@ def prompt_tokens(index: int, row: TraceRequest) -> list[int]:
     return [
         placeholder_token(pkey if p < row.prefix_len else index, p) for p in range(row.prompt_len)
     ]
-
-
-# ---------------------------------------------------------------- memory probe
-def _pool_fill(kv: KVCacheManager) -> tuple[int, dict[int, int]]:
-    """(unique tokens stored in used blocks, {shared block: fill}).
-
-    Fast path: sharing (prefix hits, forks) covers a prefix of each block table, so each table
-    is scanned only while its blocks are shared. The identity "table entries = used blocks +
-    sum over shared blocks of (holders - 1)" proves no shared block was missed; if it fails,
-    every block is scanned.
-    """
-    bs, blocks = kv.block_size, kv.pool.blocks
-    shared: dict[int, int] = {}
-    private_tokens = entries = 0
-    # A hybrid model's KV cache groups each hold their own blocks of the request.
-    tables = [r for m in getattr(kv, "groups", [kv]) for r in m.requests.values()]
-    for req in tables:
-        table, n = req.block_table, req.num_tokens
-        if req.swapped:  # rare: some entries are on the host
-            for i, b in enumerate(table):
-                if b >= 0:
-                    entries += 1
-                    f = min(bs, n - i * bs)
-                    if blocks[b].ref_cnt > 1:
-                        shared[b] = max(shared.get(b, 0), f)
-                    else:
-                        private_tokens += f
-            continue
-        k = 0
-        while k < len(table) and blocks[table[k]].ref_cnt > 1:
-            f = min(bs, n - k * bs)
-            if shared.get(table[k], -1) < f:
-                shared[table[k]] = f
-            k += 1
-        entries += len(table)
-        private_tokens += max(0, n - k * bs)
-    extra = sum(blocks[b].ref_cnt - 1 for b in shared)
-    if entries - extra == kv.pool.num_used_blocks:
-        return private_tokens + sum(shared.values()), shared
-    fill: dict[int, int] = {}
-    for req in tables:
-        for i, b in enumerate(req.block_table):
-            if b >= 0:
-                fill[b] = max(fill.get(b, 0), min(bs, req.num_tokens - i * bs))
-    return sum(fill.values()), {b: f for b, f in fill.items() if blocks[b].ref_cnt > 1}
 
 
 # ---------------------------------------------------------------- records
@@ -436,12 +390,8 @@ class Simulator:
         """The pool as this step holds it: the arithmetic of ``KVCacheManager.ledger()`` (a shared
         block counts once, at its fullest holder's fill), without per-request objects."""
         kv, sched = self.kv, self.scheduler
-        stored, shared = _pool_fill(kv)
-        naive_tokens = resident = 0
-        for req in kv.requests.values():
-            if not req.swapped:
-                resident += 1
-                naive_tokens += req.num_tokens
+        stored, shared = kv.pool_fill()
+        resident, naive_tokens = kv.resident_tokens()
         return StepRecord(
             step=so.step,
             time=clock,
