@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvledger.cache import kv_quant
-from kvledger.model import native
+from kvledger.model import kv_quant, native
 from kvledger.model.kv_cache import KVCachePool, PagedKVCache
 
 needs_native = pytest.mark.skipif(

@@ -20,7 +20,6 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvledger.cache.kv_quant import quantize  # noqa: E402
 from kvledger.errors import ConfigError  # noqa: E402
 from kvledger.model.attention.metadata import AttentionMetadata  # noqa: E402
 from kvledger.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
@@ -29,6 +28,7 @@ from kvledger.model.attention.triton_backend import (  # noqa: E402
     resolve_attention_backend,
 )
 from kvledger.model.kv_cache import KVCachePool  # noqa: E402
+from kvledger.model.kv_quant import quantize  # noqa: E402
 
 
 def _pools(kv_dtype, dtype, heads_kv, head_dim, bs, num_blocks, S=0, R=0, slots=0):

@@ -13,7 +13,6 @@ import torch
 from kvledger.cache.kv_cache_groups import kv_cache_layout
 from kvledger.cache.kv_cache_manager import cdiv
 from kvledger.cache.kv_events import make_batch, make_publisher
-from kvledger.cache.kv_quant import SINK_CACHE_ENTRIES
 from kvledger.config import EngineConfig
 from kvledger.core.detokenizer import IncrementalDetokenizer
 from kvledger.core.model_runner import ModelRunner, RunnerOutput
@@ -30,6 +29,7 @@ from kvledger.ledger.accounting import (
 from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.logprobs import Logprob
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
+from kvledger.model.kv_overlay import SINK_CACHE_ENTRIES
 from kvledger.model.layers import warm_up_gemm_shapes
 from kvledger.model.loader import load_model, load_tokenizer
 from kvledger.outputs import CompletionOutput, RequestMetrics, RequestOutput

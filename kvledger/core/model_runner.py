@@ -71,12 +71,12 @@ class ModelRunner:
         self.masks = MaskBuffer()  # structured outputs' per-step grammar mask
         self.generator = torch.Generator().manual_seed(seed)
         # Quantised KV with sinks / a recent window: which full-precision overlay slot each
-        # request owns (kvledger.cache.kv_quant.OverlaySlots); None for unquantised caches.
+        # request owns (kvledger.model.kv_overlay.OverlaySlots); None for unquantised caches.
         self.overlay = None
         # CUDA graphs of decode steps (kvledger.core.cuda_graphs), set by the engine on CUDA.
         self.graphs = None
         if kv_pool.overlay is not None:
-            from kvledger.cache.kv_quant import OverlaySlots
+            from kvledger.model.kv_overlay import OverlaySlots
 
             self.overlay = OverlaySlots(kv_pool)
 

@@ -10,7 +10,7 @@ costs more than the attention itself on small models.
 Quantised caches (``layer_cache.quantized``): every key is read back dequantised from the blocks
 of the requests in the step (never the whole cache), including the step's own tokens, and the
 full-precision overlay is substituted for sinks and the recent window, per query: a query at
-position q sees key p in full precision iff p < S or q - p < R (see ``kvledger.cache.kv_quant``).
+position q sees key p in full precision iff p < S or q - p < R (``kvledger.model.kv_overlay``).
 The native decode applies the same rule to the codes it reads (``_NativeDecode.fp_spans``).
 A decode overwrites those rows; a prefill chunk with R > 0 attends over the dequantised context
 plus the window's full-precision keys appended, with a mask that lets each query see each
@@ -28,6 +28,14 @@ import torch.nn.functional as F
 from kvledger.model import native
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.kv_cache import LayerKVCache
+from kvledger.model.kv_overlay import (
+    Fix,
+    OverlayInfo,
+    Segments,
+    chunk_overlay,
+    decode_spans,
+    overlay_writes,
+)
 
 # Batching decodes saves the per-request op overhead (~100 us per request and layer on these
 # CPUs) but gathers each request's context padded to the longest in its batch, through a
@@ -40,33 +48,6 @@ _MAX_GROUP_BYTES = 4 << 20
 
 
 @dataclass
-class _Fix:
-    """Full-precision substitutions into one dequantised context (quantised caches only)."""
-
-    ctx_ov: torch.Tensor | None = None  # context rows replaced from the overlay ...
-    ov: torch.Tensor | None = None  # ... by these overlay rows
-    ctx_k: torch.Tensor | None = None  # context rows replaced from this step's k/v ...
-    k: torch.Tensor | None = None  # ... by these rows
-    ext_ov: torch.Tensor | None = None  # extra window keys appended: overlay rows ...
-    ext_k: torch.Tensor | None = None  # ... then rows of this step's k/v
-
-    def apply(self, ctx: torch.Tensor, ov: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-        """ctx [rows, K, D] (a fresh dequantised tensor, modified in place) -> keys or values."""
-        if self.ctx_ov is not None:
-            ctx.index_copy_(0, self.ctx_ov, ov.index_select(0, self.ov))
-        if self.ctx_k is not None:
-            ctx.index_copy_(0, self.ctx_k, new.index_select(0, self.k))
-        if self.ext_ov is None and self.ext_k is None:
-            return ctx
-        parts = [ctx]
-        if self.ext_ov is not None:
-            parts.append(ov.index_select(0, self.ext_ov))
-        if self.ext_k is not None:
-            parts.append(new.index_select(0, self.ext_k))
-        return torch.cat(parts)
-
-
-@dataclass
 class _Chunk:
     """One request attended on its own: query rows [start, end) over seq_len context tokens."""
 
@@ -75,7 +56,7 @@ class _Chunk:
     seq_len: int
     block_ids: torch.Tensor | None  # None: no cached context, attend over this step's k/v directly
     mask: torch.Tensor | None  # [L, S] bool where the chunk follows cached context
-    fix: _Fix | None = None
+    fix: Fix | None = None
 
 
 @dataclass
@@ -85,7 +66,7 @@ class _DecodeBatch:
     rows: torch.Tensor  # [B] query row of each request
     block_tables: torch.Tensor  # [B, max_blocks]
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] additive (0 / -inf)
-    fix: _Fix | None = None  # rows of the flattened [B * max_blocks * block_size] context
+    fix: Fix | None = None  # rows of the flattened [B * max_blocks * block_size] context
 
 
 @dataclass
@@ -108,15 +89,6 @@ class _Plan:
     # Quantised caches: this step's rows to keep in the full-precision overlay (after attention).
     overlay_src: torch.Tensor | None = None
     overlay_dst: torch.Tensor | None = None
-
-
-@dataclass
-class _Quant:
-    """What the plan needs to know about a quantised cache's overlay."""
-
-    sinks: int  # S
-    recent: int  # R
-    overlay: bool  # the cache has overlay rows and the step says which slot each request owns
 
 
 class TorchAttentionBackend:
@@ -231,7 +203,7 @@ class TorchAttentionBackend:
             use_native = native.can_paged_decode(layer_cache, num_heads, dtype)
             quant = None
             if getattr(layer_cache, "quantized", False):
-                quant = _Quant(
+                quant = OverlayInfo(
                     layer_cache.sink_tokens,
                     layer_cache.recent_tokens,
                     layer_cache.overlay_k is not None and meta.overlay_slots is not None,
@@ -246,7 +218,7 @@ def _build_plan(
     meta: AttentionMetadata,
     dtype: torch.dtype,
     kv_width: int,
-    quant: _Quant | None = None,
+    quant: OverlayInfo | None = None,
     use_native: bool = False,
 ) -> _Plan:
     """Split the step into per-request chunks and the decodes: all in one _NativeDecode when
@@ -283,8 +255,8 @@ def _build_plan(
         num_blocks = -(-seq_len // bs)
         mask = fix = None
         if overlay:
-            fix = _Segments(device)
-            mask = _chunk_overlay(fix, meta, quant, i, start, query_len, seq_len, 0)
+            fix = Segments(device)
+            mask = chunk_overlay(fix, meta, quant, i, start, query_len, seq_len, 0)
         if mask is None and query_len > 1 and seq_len > query_len:
             q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
@@ -302,7 +274,7 @@ def _build_plan(
     decode = [_decode_batch(meta, g, starts, dtype, quant if overlay else None) for g in groups]
     plan = _Plan(chunks, decode, native_decode)
     if overlay:
-        plan.overlay_src, plan.overlay_dst = _overlay_writes(meta, quant, starts, device)
+        plan.overlay_src, plan.overlay_dst = overlay_writes(meta, quant, starts, device)
     return plan
 
 
@@ -321,23 +293,10 @@ def _select_requests(
 
 
 def _native_decode(
-    meta: AttentionMetadata, decodes: list[int], starts: list[int], quant: _Quant | None
+    meta: AttentionMetadata, decodes: list[int], starts: list[int], quant: OverlayInfo | None
 ) -> _NativeDecode:
     rows, tables, seq_lens = _select_requests(meta, decodes, starts)
-    spans = None
-    if quant is not None:  # the decode case of _chunk_overlay, as spans
-        S, R = quant.sinks, quant.recent
-        flat: list[int] = []
-        for i in decodes:
-            p0 = meta.seq_lens_list[i] - 1
-            lo = max(meta.overlay_sink_from[i], 0)
-            hi = max(lo, min(S, p0))
-            if R:
-                w_lo, own = max(S, p0 - R + 1, min(meta.overlay_window_from[i], p0)), 1
-            else:
-                w_lo, own = p0, int(p0 < S)
-            flat += (meta.overlay_slots[i] * (S + R), lo, hi, w_lo, own)
-        spans = torch.tensor(flat, dtype=torch.int64).view(len(decodes), 5)
+    spans = None if quant is None else decode_spans(meta, quant, decodes)
     return _NativeDecode(
         rows, tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous(), spans
     )
@@ -374,7 +333,7 @@ def _decode_batch(
     group: list[int],
     starts: list[int],
     dtype: torch.dtype,
-    quant: _Quant | None,
+    quant: OverlayInfo | None,
 ) -> _DecodeBatch:
     device = meta.slot_mapping.device
     bs = meta.block_size
@@ -387,104 +346,11 @@ def _decode_batch(
     mask.masked_fill_(~valid, float("-inf"))
     fix = None
     if quant is not None:
-        seg = _Segments(device)
+        seg = Segments(device)
         for b, i in enumerate(group):
-            _chunk_overlay(seg, meta, quant, i, starts[i], 1, meta.seq_lens_list[i], b * max_blocks * bs)
+            chunk_overlay(seg, meta, quant, i, starts[i], 1, meta.seq_lens_list[i], b * max_blocks * bs)
         fix = seg.to_fix()
     return _DecodeBatch(rows, block_tables, mask[:, None, None, :], fix)
-
-
-class _Segments:
-    """Collects destination / source row indices as Python ints, made tensors once per step."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.parts: dict[str, list[int]] = {}
-
-    def add(self, name: str, rows) -> None:
-        if rows:
-            self.parts.setdefault(name, []).extend(rows)
-
-    def get(self, name: str) -> torch.Tensor | None:
-        p = self.parts.get(name)
-        return None if not p else torch.tensor(p, dtype=torch.int64, device=self.device)
-
-    def to_fix(self) -> _Fix | None:
-        if not self.parts:
-            return None
-        return _Fix(*(self.get(n) for n in ("ctx_ov", "ov", "ctx_k", "k", "ext_ov", "ext_k")))
-
-
-def _chunk_overlay(
-    seg: _Segments,
-    meta: AttentionMetadata,
-    quant: _Quant,
-    i: int,
-    row: int,
-    query_len: int,
-    seq_len: int,
-    ctx_offset: int,
-) -> torch.Tensor | None:
-    """Full-precision substitutions for request i's context; returns the chunk's mask when the
-    window needs extra keys (a prefill chunk with R > 0), else None."""
-    dev = seg.device
-    S, R = quant.sinks, quant.recent
-    base = meta.overlay_slots[i] * (S + R)
-    p0 = seq_len - query_len  # position of the chunk's first token
-    # Sinks: earlier ones from the slot (if it holds them), the chunk's own from this step's k/v.
-    lo, hi = max(meta.overlay_sink_from[i], 0), min(S, p0)
-    seg.add("ctx_ov", range(lo + ctx_offset, hi + ctx_offset))
-    seg.add("ov", range(lo + base, hi + base))
-    hi = min(S, seq_len)
-    seg.add("ctx_k", range(p0 + ctx_offset, hi + ctx_offset))
-    seg.add("k", range(row, hi - p0 + row))
-    if R == 0:
-        return None
-    # Window rows before the chunk that the slot's ring holds (positions >= w_lo).
-    w_lo = max(S, p0 - R + 1, min(meta.overlay_window_from[i], p0))
-    ring = base + S
-    if query_len == 1:
-        seg.add("ctx_ov", range(w_lo + ctx_offset, p0 + ctx_offset))
-        seg.add("ov", [ring + p % R for p in range(w_lo, p0)])
-        if p0 >= S:
-            seg.add("ctx_k", (p0 + ctx_offset,))
-            seg.add("k", (row,))
-        return None
-    e0 = min(w_lo, max(S, p0))  # extra keys cover positions [e0, seq_len)
-    if e0 >= seq_len:
-        return None
-    seg.add("ext_ov", [ring + p % R for p in range(e0, p0)])
-    seg.add("ext_k", range(max(e0, p0) - p0 + row, seq_len - p0 + row))
-    q = torch.arange(p0, seq_len, device=dev)[:, None]
-    kp = torch.arange(seq_len, device=dev)[None, :]
-    ep = torch.arange(e0, seq_len, device=dev)[None, :]
-    ctx_ok = (kp <= q) & ~((kp >= e0) & (q - kp < R))
-    ext_ok = (ep <= q) & (q - ep < R)
-    return torch.cat([ctx_ok, ext_ok], dim=1)
-
-
-def _overlay_writes(
-    meta: AttentionMetadata, quant: _Quant, starts: list[int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of this step's k/v to keep in the overlay: new sink positions and the last R."""
-    S, R = quant.sinks, quant.recent
-    src: list[int] = []
-    dst: list[int] = []
-    for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-        if query_len == 0:
-            continue
-        p0, row, base = seq_len - query_len, starts[i], meta.overlay_slots[i] * (S + R)
-        for p in range(p0, min(S, seq_len)):
-            src.append(row + p - p0)
-            dst.append(base + p)
-        if R:
-            for p in range(max(S, seq_len - R, p0), seq_len):
-                src.append(row + p - p0)
-                dst.append(base + S + p % R)
-    return (
-        torch.tensor(src, dtype=torch.int64, device=device),
-        torch.tensor(dst, dtype=torch.int64, device=device),
-    )
 
 
 def _attend_windowed(

@@ -145,7 +145,7 @@ class TritonAttentionBackend:
         return self._step
 
     def _overlay(self, meta: AttentionMetadata, layer_cache):
-        from kvledger.model.attention.torch_backend import _overlay_writes, _Quant
+        from kvledger.model.kv_overlay import OverlayInfo, overlay_writes
 
         S, R = layer_cache.sink_tokens, layer_cache.recent_tokens
         dev = meta.slot_mapping.device
@@ -160,7 +160,7 @@ class TritonAttentionBackend:
             S,
             R,
         )
-        src, dst = _overlay_writes(meta, _Quant(S, R, True), _starts(meta), dev)
+        src, dst = overlay_writes(meta, OverlayInfo(S, R, True), _starts(meta), dev)
         return ov, src, dst
 
 
