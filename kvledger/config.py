@@ -21,6 +21,9 @@ DTYPE_ALIASES = {
     "half": "float16",
 }
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# "mp": the engine spawns one worker process per rank; "external": workers started elsewhere
+# (torchrun, several machines) connect to tp_driver_address.
+EXECUTOR_BACKENDS = ("mp", "external")
 
 
 @dataclass
@@ -115,6 +118,14 @@ class EngineConfig:
     # vLLM's --kv-events-config: a KVEventsConfig, a dict or its JSON text; None: no events.
     kv_events_config: KVEventsConfig | dict | str | None = None
     data_parallel_rank: int | None = None  # this engine's rank among data-parallel replicas
+    # Tensor parallelism (kvledger/distributed): ranks, how they start, where an external
+    # launcher's workers connect (HOST:PORT), torch threads per rank (None: cores / ranks), and
+    # how long a step may wait for a rank before the engine fails its requests.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    tp_driver_address: str | None = None
+    tp_worker_threads: int | None = None
+    tp_step_timeout: float = 60.0
 
     def validate(self) -> None:
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
@@ -130,6 +141,13 @@ class EngineConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.distributed_executor_backend is not None:
+            _choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
+        if self.tp_worker_threads is not None:
+            _positive("tp_worker_threads", self.tp_worker_threads)
+        if not (isinstance(self.tp_step_timeout, int | float) and self.tp_step_timeout > 0):
+            raise ConfigError(f"tp_step_timeout must be > 0 seconds, got {self.tp_step_timeout!r}")
         self.scheduler.validate()
         self.cache.validate()
 

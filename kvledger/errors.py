@@ -32,3 +32,8 @@ class OutOfBlocksError(CacheError):
 class EngineDeadError(RuntimeError):
     """The engine stopped (shutdown, a bug in a step, its process died); no request can
     proceed. Not the caller's fault: the server answers 503."""
+
+
+class EngineFailedError(EngineDeadError):
+    """The engine can take no more steps (a tensor-parallel rank died, hung or failed); every
+    in-flight request was aborted. Not the caller's fault: servers answer 503."""

@@ -25,7 +25,7 @@ _NO_EFFECT: dict[str, tuple[object, str]] = {
     "trust_remote_code": (False, "kvledger never runs code from a model folder"),
     "disable_log_stats": (True, "kvledger logs no periodic stats"),
     "max_seq_len_to_capture": (None, "kvledger's decode graphs cover every context length"),
-    "disable_custom_all_reduce": (True, "kvledger runs on one device"),
+    "disable_custom_all_reduce": (True, "kvledger's all-reduce is torch.distributed's"),
     "compilation_config": (None, "kvledger compiles nothing"),
     "tokenizer_mode": ("auto", "kvledger always uses the folder's (fast) tokenizer"),
 }
@@ -42,12 +42,6 @@ def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
     model = resolve_model_path(resolve_named_model(model), revision, download_dir)
     if kwargs.get("tokenizer"):
         kwargs["tokenizer"] = resolve_model_path(kwargs["tokenizer"], tokenizer_revision, download_dir)
-    tp = kwargs.pop("tensor_parallel_size", 1)
-    if tp != 1:
-        raise ConfigError(
-            f"tensor_parallel_size={tp!r}: kvledger runs a model on one device for now "
-            "(tensor parallelism has not landed); use tensor_parallel_size=1"
-        )
     for name, (neutral, why) in _NO_EFFECT.items():
         if name in kwargs and kwargs.pop(name) != neutral and name not in _warned:
             _warned.add(name)

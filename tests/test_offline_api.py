@@ -88,8 +88,8 @@ def test_reset_prefix_cache_refuses_while_requests_hold_blocks(llm, caplog):
 
 def test_vllm_constructor_keywords(stories_path, caplog):
     path = str(stories_path)
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2.*one device"):
-        LLM(path, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide .* 8 attention heads"):
+        LLM(path, tensor_parallel_size=3)
     with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
         LLM(path, gpu_memory_utilization=1.5, calibrate_preemption=False)
     with pytest.raises(ConfigError, match="dtype must be one of"):

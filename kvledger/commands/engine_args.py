@@ -72,6 +72,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode")
     g.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="tensor-parallel ranks (one worker process each; torch.distributed: gloo on CPU, NCCL on CUDA)",
+    )
+    g.add_argument(
+        "--distributed-executor-backend", default=None, choices=["mp", "external"],
+        help="mp: the engine spawns its workers (default); external: workers started by torchrun "
+        "(python -m kvledger.worker) connect to --tp-driver-address",
+    )
+    g.add_argument("--tp-driver-address", default=None, help="HOST:PORT external workers connect to")
+    g.add_argument("--tp-worker-threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
+    g.add_argument(
+        "--tp-step-timeout", type=float, default=60.0,
+        help="seconds a step may wait for a rank before the engine fails its requests",
+    )
+    g.add_argument(
         "--kv-events-config",
         default=None,
         help="vLLM's KV-events JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
@@ -111,6 +126,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.enforce_eager:
         kw["enforce_eager"] = True
+    if args.tensor_parallel_size != 1:
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
+        kw["tp_step_timeout"] = args.tp_step_timeout
+        for name in ("distributed_executor_backend", "tp_driver_address", "tp_worker_threads"):
+            if getattr(args, name) is not None:
+                kw[name] = getattr(args, name)
     if getattr(args, "kv_events_config", None) is not None:
         kw["kv_events_config"] = args.kv_events_config  # JSON text, parsed by EngineConfig
     if args.kv_cache_memory is not None:

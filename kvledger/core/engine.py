@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -19,7 +21,7 @@ from kvledger.core.model_runner import ModelRunner, RunnerOutput
 from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.request import Request, RequestStatus
 from kvledger.core.scheduler import Scheduler, SchedulerOutput
-from kvledger.errors import ConfigError, InvalidRequestError
+from kvledger.errors import ConfigError, EngineFailedError, InvalidRequestError
 from kvledger.ledger.accounting import (
     QUANTIZED_KV_DTYPES,
     ModelSpec,
@@ -73,7 +75,11 @@ class LLMEngine:
 
         # Resolved before the weights load, so a bad choice fails fast with its reason.
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        self.tp = config.tensor_parallel_size
+        # Tensor parallelism: this process is the driver and loads no weights (the ranks do).
+        loaded = load_model(
+            config.model, dtype=config.dtype, device=config.device, weights=self.tp == 1
+        )
         self.model = loaded.model
         if self.attention_backend == "triton":
             from kvledger.model.attention.triton_backend import TritonAttentionBackend
@@ -105,7 +111,19 @@ class LLMEngine:
                 f"kv_cache_dtype {cc.kv_cache_dtype} is not supported for {mc.architecture} with "
                 "sliding-window or soft-capped attention; use kv_cache_dtype auto"
             )
-        kv_bytes = kv_bytes_per_token(self.spec, kv_dtype)
+        if self.tp > 1:
+            from kvledger.distributed.sharding import check_tensor_parallel
+
+            check_tensor_parallel(self.spec, self.tp, mc.intermediate_size, mc.num_experts)
+            _check_devices(self.tp, self.device, config.distributed_executor_backend or "mp")
+            if kv_dtype in QUANTIZED_KV_DTYPES and (cc.kv_sink_tokens or cc.kv_recent_tokens):
+                raise ConfigError(
+                    "the full-precision overlay of a quantised KV cache (kv_sink_tokens / "
+                    "kv_recent_tokens) is not supported with tensor_parallel_size > 1 yet; set "
+                    "kv_sink_tokens=0 and kv_recent_tokens=0"
+                )
+        # Per rank under tensor parallelism: each rank's pool holds its own KV heads.
+        kv_bytes = kv_bytes_per_token(self.spec, kv_dtype, self.tp)
         self.bytes_per_token = kv_bytes.total  # K/V data + quantisation scales
         # Hybrid models (full + sliding layers): KV cache groups over one pool whose block holds
         # group_size layers, so the sliding groups can free blocks outside their window.
@@ -114,11 +132,19 @@ class LLMEngine:
             windows = [None] * len(windows)  # every layer allocated as full attention (vLLM's)
         self.kv_layout = kv_cache_layout(windows)
         if self.kv_layout.is_hybrid:
+            if self.tp > 1:
+                raise ConfigError(
+                    f"tensor parallelism for hybrid sliding-window models ({mc.architecture}: KV "
+                    "cache groups) is not implemented; use tensor_parallel_size=1"
+                )
             self.bytes_per_token = kv_bytes.total // self.spec.num_layers * self.kv_layout.group_size
         self.scale_bytes_per_token = kv_bytes.scale_bytes
         bytes_per_block = self.bytes_per_token * cc.block_size
         overlay_slots, reserved = self._plan_overlay(kv_dtype)
         num_blocks = cc.num_kv_blocks or self._size_pool(bytes_per_block, reserved)
+        if self.tp > 1:
+            self._init_tensor_parallel(num_blocks, bytes_per_block, kv_dtype)
+            return
         self.kv_pool = KVCachePool(
             num_layers=self.kv_layout.group_size,
             num_blocks=num_blocks,
@@ -134,23 +160,7 @@ class LLMEngine:
         )
         # The ledger's formula and the real allocation must agree.
         assert self.kv_pool.bytes_per_block == bytes_per_block, (self.kv_pool.bytes_per_block, bytes_per_block)
-        self.cost_model = PreemptionCostModel(
-            mode=sc.preemption_mode, recompute_threshold=sc.recompute_threshold
-        )
-        self.scheduler = Scheduler.build(
-            sc,
-            cc,
-            num_blocks,
-            self.bytes_per_token,
-            self.cost_model,
-            self.spec.uniform_window,
-            self.kv_layout.windows if self.kv_layout.is_hybrid else None,
-        )
-        self.kv = self.scheduler.kv
-        # KV events: recorded by the pool where its prefix index changes, published per step.
-        self.kv_event_publisher = make_publisher(config.kv_events_config, config.data_parallel_rank)
-        if self.kv_event_publisher is not None:
-            self.kv.pool.enable_events()
+        self._build_scheduler(num_blocks)
         num_host_blocks = self.kv.host_pool.num_blocks if self.kv.host_pool else 0
         self.host_pool = HostKVPool(num_host_blocks, self.kv_pool) if num_host_blocks else None
         self.runner = ModelRunner(
@@ -187,6 +197,77 @@ class LLMEngine:
                 self.spec.num_kv_heads,
                 self.device,
             )
+        self._finish_init()
+
+    def _build_scheduler(self, num_blocks: int) -> None:
+        sc, cc = self.config.scheduler, self.config.cache
+        self.cost_model = PreemptionCostModel(
+            mode=sc.preemption_mode, recompute_threshold=sc.recompute_threshold
+        )
+        self.scheduler = Scheduler.build(
+            sc,
+            cc,
+            num_blocks,
+            self.bytes_per_token,
+            self.cost_model,
+            self.spec.uniform_window,
+            self.kv_layout.windows if self.kv_layout.is_hybrid else None,
+        )
+        self.kv = self.scheduler.kv
+        self.executor = None
+        self.tp_ranks: list = []  # WorkerReady of each rank (tensor parallelism)
+
+    def _init_tensor_parallel(self, num_blocks: int, bytes_per_block: int, kv_dtype: str) -> None:
+        """Start the ranks (kvledger.distributed): each loads its shard and builds its pools of
+        ``num_blocks`` blocks for its own KV heads; the scheduler and block manager stay here."""
+        from kvledger.distributed.executor import TPExecutor
+        from kvledger.distributed.messages import WorkerSpec
+
+        config, cc = self.config, self.config.cache
+        self._build_scheduler(num_blocks)
+        self.kv_pool = None
+        self.host_pool = None
+        backend = config.distributed_executor_backend or "mp"
+        threads = config.tp_worker_threads or max(1, _num_cpus() // self.tp)
+        spec = WorkerSpec(
+            model=config.model,
+            dtype=config.dtype,
+            device=config.device,
+            max_model_len=self.max_model_len,
+            block_size=cc.block_size,
+            num_blocks=num_blocks,
+            num_host_blocks=self.kv.host_pool.num_blocks if self.kv.host_pool else 0,
+            kv_cache_dtype=cc.kv_cache_dtype,
+            attention_backend=self.attention_backend,
+            num_threads=threads,
+            dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+            collective_timeout_s=config.tp_step_timeout,
+        )
+        self.executor = TPExecutor(
+            spec, self.tp, backend, config.tp_driver_address, step_timeout_s=config.tp_step_timeout
+        )
+        self._executor_finalizer = weakref.finalize(self, self.executor.close)
+        self.tp_ranks = self.executor.ready
+        # Every rank's real pool must hold exactly what `kvledger plan --tp N` says per block.
+        for r in self.tp_ranks:
+            if r.bytes_per_block != bytes_per_block:
+                self.executor.close()
+                raise AssertionError(
+                    f"rank {r.rank}'s pool holds {r.bytes_per_block} bytes per block; the ledger "
+                    f"(kvledger plan --tp {self.tp}) says {bytes_per_block}"
+                )
+        self.runner = ModelRunner(None, None, None, cc.block_size, self.device, seed=config.seed)
+        self.runner.executor = self.executor
+        rope = getattr(self.model, "rotary_emb", None)  # LongRoPE, as on one device
+        self.scheduler.rope_long_from = self.runner.rope_long_from = getattr(rope, "long_from", None)
+        self._finish_init()
+
+    def _finish_init(self) -> None:
+        config, sc = self.config, self.config.scheduler
+        # KV events: recorded by the pool where its prefix index changes, published per step.
+        self.kv_event_publisher = make_publisher(config.kv_events_config, config.data_parallel_rank)
+        if self.kv_event_publisher is not None:
+            self.kv.pool.enable_events()
         if config.swap_bandwidth:
             self.cost_model.swap_bandwidth = config.swap_bandwidth
         if config.prefill_cost:
@@ -233,6 +314,8 @@ class LLMEngine:
             self._publish_kv_events()
             self.kv_event_publisher.shutdown()
             self.kv_event_publisher = None
+        if self.executor is not None:
+            self.executor.close()  # the tensor-parallel workers exit
 
     # -- sizing -------------------------------------------------------------------------------
     def _plan_overlay(self, kv_dtype: str) -> tuple[int, int]:
@@ -266,7 +349,8 @@ class LLMEngine:
                 self.memory_profile = profile(self, self._free_at_start or free)
                 budget = kv_cache_budget(self.memory_profile, cc.gpu_memory_utilization)
             else:
-                budget = min(4 * _GiB, int(_mem_available() * 0.2))
+                # The ranks of a tensor-parallel engine share this machine's memory.
+                budget = min(4 * _GiB, int(_mem_available() * 0.2)) // self.tp
         budget -= reserved
         # A hybrid model's request holds blocks in each KV cache group.
         useful = sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size) * len(self.kv_layout.groups)
@@ -434,7 +518,15 @@ class LLMEngine:
         if self.structured.compiling:
             self._admit_compiled(touched)
         so = self.scheduler.schedule()
-        ro = self.runner.execute(so)
+        try:
+            ro = self.runner.execute(so)
+        except Exception as e:
+            if self.executor is not None and self.executor.dead is not None:
+                # A rank died or hung: no request can go on. Free them all, then say why.
+                for rid in list(self.groups):
+                    self.abort_request(rid)
+                raise EngineFailedError(f"tensor-parallel engine failed: {e}") from e
+            raise
         self._account_swaps(so, ro)
         now = time.monotonic()
         for rid, lps in ro.prompt_logprobs.items():
@@ -601,10 +693,24 @@ class LLMEngine:
     # -- the ledger ---------------------------------------------------------------------------
     def ledger(self) -> LedgerSnapshot:
         snap = self.kv.ledger()
-        st = self.swap_stats
         snap.kv_cache_dtype = self.config.cache.kv_cache_dtype
         snap.scale_bytes_per_token = self.scale_bytes_per_token
         snap.overlay_bytes_per_request = self.overlay_bytes_per_request
+        snap.tensor_parallel_size = self.tp
+        if self.kv_pool is None:  # tensor parallelism: the ranks hold the pools
+            snap.device = str(self.device)
+            snap.ranks = [
+                {"rank": r.rank, "pid": r.pid, "host": r.host, "kv_heads": r.num_kv_heads,
+                 "bytes_per_block": r.bytes_per_block, "device_pool_bytes": r.device_pool_bytes,
+                 "host_pool_bytes": r.host_pool_bytes, "weight_bytes": r.weight_bytes,
+                 "used_bytes": snap.used_blocks * r.bytes_per_block}
+                for r in self.tp_ranks
+            ]
+            snap.device_pool_bytes = sum(r.device_pool_bytes for r in self.tp_ranks)
+            snap.model_bytes_per_block = sum(r.bytes_per_block for r in self.tp_ranks)
+            self._swap_ledger(snap)
+            return snap
+        snap.model_bytes_per_block = snap.bytes_per_block
         snap.overlay_slots = self.kv_pool.overlay_slots
         snap.overlay_bytes = self.kv_pool.overlay_bytes
         ov = self.runner.overlay
@@ -619,6 +725,11 @@ class LLMEngine:
         snap.device_pool_bytes = pool.data.numel() * pool.data.element_size() + pool.overlay_bytes
         if self.device.type == "cuda":
             snap.device_memory = _cuda_memory(self)
+        self._swap_ledger(snap)
+        return snap
+
+    def _swap_ledger(self, snap: LedgerSnapshot) -> None:
+        st = self.swap_stats
         snap.preemptions = dict(self.scheduler.num_preemptions)
         snap.swapped_out_blocks = st["out_blocks"]
         snap.swapped_in_blocks = st["in_blocks"]
@@ -626,7 +737,6 @@ class LLMEngine:
         snap.swap_in_bytes = st["in_blocks"] * self.kv.bytes_per_block
         snap.swap_out_seconds = st["out_s"]
         snap.swap_in_seconds = st["in_s"]
-        return snap
 
 
 def _cuda_memory(engine) -> dict:
@@ -691,6 +801,29 @@ def _plan_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model_dtype]
+
+
+def _num_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _check_devices(tp: int, device: torch.device, backend: str) -> None:
+    """One rank per device: refuse more ranks than this machine has (spawned workers only; an
+    external launcher's workers bring their own devices)."""
+    if backend != "mp":
+        return
+    if device.type == "cuda":
+        n = torch.cuda.device_count()
+        if tp > n:
+            raise ConfigError(f"tensor_parallel_size={tp} exceeds the {n} CUDA device(s) here")
+    elif tp > _num_cpus():
+        raise ConfigError(
+            f"tensor_parallel_size={tp} exceeds the {_num_cpus()} CPU core(s) this process may "
+            "use (each rank needs at least one)"
+        )
 
 
 def _mem_available() -> int:

@@ -66,7 +66,8 @@ class ModelRunner:
         # which group each model layer reads (None: one group).
         self.block_tables: list[BlockTable] = [BlockTable()]
         self.layer_group: tuple[int, ...] | None = None
-        self.layer_caches = kv_pool.layers  # the model's per-layer caches (shared tensors when grouped)
+        # The model's per-layer caches (shared tensors when grouped); none in a TP driver.
+        self.layer_caches = kv_pool.layers if kv_pool is not None else []
         self.rope_long_from: int | None = None  # LongRoPE: see Scheduler.rope_long_from
         self.masks = MaskBuffer()  # structured outputs' per-step grammar mask
         self.generator = torch.Generator().manual_seed(seed)
@@ -75,7 +76,11 @@ class ModelRunner:
         self.overlay = None
         # CUDA graphs of decode steps (kvledger.core.cuda_graphs), set by the engine on CUDA.
         self.graphs = None
-        if kv_pool.overlay is not None:
+        # Tensor parallelism: the ranks run the model (kvledger.distributed.executor.TPExecutor);
+        # this runner prepares each step's plan and samples from rank 0's logits.
+        self.executor = None
+        self.last_step_ranks: list = []  # the ranks' StepResults of the last step (timings)
+        if kv_pool is not None and kv_pool.overlay is not None:
             from kvledger.model.kv_overlay import OverlaySlots
 
             self.overlay = OverlaySlots(kv_pool)
@@ -168,6 +173,8 @@ class ModelRunner:
         self._apply_deltas(so.table_deltas)
         if self.overlay is not None and so.table_deltas.removed:
             self.overlay.drop_removed(so.table_deltas.removed)
+        if self.executor is not None:
+            return self._execute_on_ranks(so, out)
         self.apply_block_ops(so, out)
         if not so.scheduled:
             return out
@@ -181,13 +188,51 @@ class ModelRunner:
             hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.layer_caches)
         if self.overlay is not None:
             self.overlay.after_step(inp.meta, [s.request for s in so.scheduled])
-        rows = list(inp.sample_rows)
-        for _, first, count, _ in inp.prompt_rows:
-            rows.extend(range(first, first + count))
+        rows = _logits_rows(inp)
         if not rows:
             return out
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[idx]).float().cpu()
+        self._consume_logits(inp, logits, out)
+        return out
+
+    def _execute_on_ranks(self, so: SchedulerOutput, out: RunnerOutput) -> RunnerOutput:
+        """Tensor parallelism: one StepPlan to every rank (block ops, inputs, logits rows);
+        sampling and logprobs here, from rank 0's gathered logits, exactly as on one device."""
+        from kvledger.distributed.messages import StepPlan
+
+        if not so.scheduled and not (so.blocks_to_swap_out or so.blocks_to_copy or so.blocks_to_swap_in):
+            return out
+        inp = self.prepare(so) if so.scheduled else None
+        rows = _logits_rows(inp) if inp is not None else []
+        if inp is None:
+            empty = np.zeros(0, dtype=np.int64)
+            plan = StepPlan(empty, empty, empty, empty, empty, np.zeros((0, 0), dtype=np.int64),
+                            0, 0, [], [], [])
+        else:
+            m = inp.meta
+            plan = StepPlan(
+                input_ids=inp.input_ids.numpy(), positions=inp.positions.numpy(),
+                slot_mapping=m.slot_mapping.numpy(), query_start_loc=m.query_start_loc.numpy(),
+                seq_lens=m.seq_lens.numpy(), block_tables=m.block_tables.numpy(),
+                max_query_len=m.max_query_len, max_seq_len=m.max_seq_len,
+                query_lens_list=m.query_lens_list, seq_lens_list=m.seq_lens_list, logits_rows=rows,
+            )
+            if m.rope_seq_lens is not None:  # LongRoPE: the table follows each sequence's length
+                plan.rope_seq_lens = m.rope_seq_lens.numpy()
+        plan.blocks_to_swap_out = so.blocks_to_swap_out
+        plan.blocks_to_copy = so.blocks_to_copy
+        plan.blocks_to_swap_in = so.blocks_to_swap_in
+        results = self.executor.execute(plan)
+        self.last_step_ranks = results
+        out.swap_out_seconds = max(r.swap_out_seconds for r in results)
+        out.swap_in_seconds = max(r.swap_in_seconds for r in results)
+        if rows:
+            self._consume_logits(inp, torch.from_numpy(results[0].logits), out)
+        return out
+
+    def _consume_logits(self, inp: StepInputs, logits: torch.Tensor, out: RunnerOutput) -> None:
+        """Sample the due requests and fill prompt logprobs from the rows of ``_logits_rows``."""
         n_sample = len(inp.sample_rows)
         self._sample(logits[:n_sample], inp.sample_reqs, out)
         off = n_sample
@@ -197,7 +242,6 @@ class ModelRunner:
             targets = req.all_token_ids[start + 1 : start + 1 + count]
             k = req.sampling_params.prompt_logprobs
             out.prompt_logprobs[req.request_id] = make_logprobs(lp, targets, k)
-        return out
 
     def _build_metadata(
         self,
@@ -288,3 +332,10 @@ class ModelRunner:
             out.sampled[r.request_id] = t
             out.logprobs[r.request_id] = lp
 
+
+def _logits_rows(inp: StepInputs) -> list[int]:
+    """Hidden rows that need logits: the sampled ones, then each prompt-logprobs run."""
+    rows = list(inp.sample_rows)
+    for _, first, count, _ in inp.prompt_rows:
+        rows.extend(range(first, first + count))
+    return rows

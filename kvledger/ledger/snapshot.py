@@ -61,6 +61,12 @@ class LedgerSnapshot:
     device: str = "cpu"
     device_pool_bytes: int = 0
     device_memory: dict | None = None
+    # Tensor parallelism: bytes_per_token / bytes_per_block above are one rank's (what the block
+    # manager counts); model_bytes_per_block is every rank's together (a KV head replicated on
+    # several ranks counts on each), and ranks lists each rank's real pools and weights.
+    tensor_parallel_size: int = 1
+    model_bytes_per_block: int = 0
+    ranks: list[dict] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:

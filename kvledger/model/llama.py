@@ -235,6 +235,9 @@ class LlamaForCausalLM(nn.Module):
             )
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
         self.__dict__["tied_head"] = None  # packed copy of a tied LM head, see pack_linears()
+        # Tensor parallelism: joins the ranks' vocabulary slices of the logits
+        # (kvledger.distributed.sharding); None on one device.
+        self.__dict__["vocab_gather"] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -290,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
                 logits = head(hidden_states)
         else:
             logits = F.linear(hidden_states, self.model.embed_tokens.weight)
+        if self.vocab_gather is not None:
+            logits = self.vocab_gather(logits)
         cap = self.config.final_softcap
         if cap is not None:  # in the model dtype, as HF
             logits = torch.tanh(logits / cap) * cap

@@ -318,10 +318,13 @@ def load_model(
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
     pack_linear: bool = True,
+    weights: bool = True,
 ) -> LoadedModel:
     """Load an HF Llama-family folder. max_model_len caps the context (and the RoPE table);
     by default it is the model's limit (max_position_embeddings, or a sliding window if smaller).
-    pack_linear: on CPU in float32, pack matmul weights for oneDNN (Linear.pack)."""
+    pack_linear: on CPU in float32, pack matmul weights for oneDNN (Linear.pack).
+    weights=False: the model stays on the meta device (a tensor-parallel driver needs only its
+    shape; the ranks load their shards)."""
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"model folder {path} does not exist")
@@ -341,9 +344,10 @@ def load_model(
 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions=max_model_len, rope_device=device)
-    load_weights(model, path, torch_dtype, device, hf_config)
+    if weights:
+        load_weights(model, path, torch_dtype, device, hf_config)
     model.eval()
-    if pack_linear and can_pack_linear(torch_dtype, device):
+    if weights and pack_linear and can_pack_linear(torch_dtype, device):
         model.pack_linears()
     return LoadedModel(
         model=model,

@@ -1,0 +1,285 @@
+"""The driver's side of tensor parallelism: start (or wait for) the ranks, send each step's plan
+to all of them, collect the results, and notice a rank that dies or hangs.
+
+The driver is not a rank (as vLLM v1's multiprocess executor): it runs the scheduler, the block
+manager, sampling and detokenisation, and no weights; every rank is a ``kvledger.worker``
+process, so a rank's failure never takes the driver's state with it. Messages go over one
+authenticated ``multiprocessing.connection`` per rank (pickled ``kvledger.distributed.messages``);
+the tensors between ranks go through torch.distributed.
+
+Faults: a step waits at most ``step_timeout_s`` for every rank; a rank that closes its
+connection, exits, reports an error (a collective that timed out on its side) or stays silent
+past the deadline makes ``execute`` raise ``WorkerFailedError`` naming the rank and the cause,
+and every worker is stopped: the executor is dead from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection, Listener, wait
+
+from kvledger.distributed.messages import (
+    Shutdown,
+    StepPlan,
+    StepResult,
+    WorkerFailed,
+    WorkerReady,
+    WorkerSpec,
+)
+from kvledger.errors import ConfigError
+
+logger = logging.getLogger("kvledger")
+
+
+class WorkerFailedError(RuntimeError):
+    """A tensor-parallel rank died, hung or failed: the engine cannot take another step."""
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _parse(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"tp_driver_address must be HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+class TPExecutor:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        world_size: int,
+        backend: str = "mp",
+        address: str | None = None,
+        step_timeout_s: float = 60.0,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        self.world_size = world_size
+        self.step_timeout_s = step_timeout_s
+        self.dead: str | None = None
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list[str] = []
+        self.conns: list[Connection] = []
+        self.ready: list[WorkerReady] = []
+        if backend == "mp":
+            authkey = secrets.token_hex(16).encode()
+            host, port = "127.0.0.1", 0
+        else:
+            key = os.environ.get("KVLEDGER_TP_AUTHKEY")
+            if not key:
+                raise ConfigError(
+                    "distributed_executor_backend='external' needs KVLEDGER_TP_AUTHKEY set (the "
+                    "secret the workers present)"
+                )
+            authkey = key.encode()
+            host, port = _parse(address or "127.0.0.1:29600")
+        self._listener = Listener((host, port), authkey=authkey)
+        self.address = self._listener.address
+        try:
+            if backend == "mp":
+                self._spawn(spec, authkey)
+            self._accept(start_timeout_s)
+            for c in self.conns:
+                c.send(spec)
+            self.ready = [self._receive(r, start_timeout_s, "start") for r in range(world_size)]
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._listener.close()
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def _spawn(self, spec: WorkerSpec, authkey: bytes) -> None:
+        master_port = _free_port()
+        host, port = self.address
+        for rank in range(self.world_size):
+            env = dict(os.environ)
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(self.world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(master_port),
+                KVLEDGER_TP_AUTHKEY=authkey.decode(),
+                OMP_NUM_THREADS=str(spec.num_threads),
+            )
+            fd, log = tempfile.mkstemp(prefix=f"kvledger-tp-rank{rank}-", suffix=".log")
+            self._logs.append(log)
+            with os.fdopen(fd, "w") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "kvledger.worker", "--driver", f"{host}:{port}"],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
+
+    def _accept(self, timeout_s: float) -> None:
+        """Every rank connects and says hello; spawned ones that exit first fail at once."""
+        got: dict[int, Connection] = {}
+        errors: list[BaseException] = []
+
+        def accept() -> None:
+            try:
+                while len(got) < self.world_size:
+                    c = self._listener.accept()
+                    _, rank, world = c.recv()
+                    if world != self.world_size:
+                        c.close()
+                        raise ConfigError(
+                            f"a worker of a {world}-rank group connected to a "
+                            f"{self.world_size}-rank driver"
+                        )
+                    got[rank] = c
+            except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+                errors.append(e)
+
+        t = threading.Thread(target=accept, daemon=True, name="kvledger-tp-accept")
+        t.start()
+        deadline = time.monotonic() + timeout_s
+        while t.is_alive():
+            t.join(0.1)
+            self._check_procs("start")
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(
+                    f"only {len(got)} of {self.world_size} tensor-parallel workers connected to "
+                    f"{self.address[0]}:{self.address[1]} within {timeout_s:.0f} s"
+                )
+        if errors:
+            raise errors[0]
+        self.conns = [got[r] for r in range(self.world_size)]
+
+    def _receive(self, rank: int, timeout_s: float, what: str):
+        c = self.conns[rank]
+        deadline = time.monotonic() + timeout_s
+        while not c.poll(0.1):
+            self._check_procs(what)
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(f"tensor-parallel rank {rank} did not {what} within {timeout_s:.0f} s")
+        msg = self._recv(rank)
+        if isinstance(msg, WorkerFailed):
+            raise ConfigError(f"tensor-parallel rank {rank} could not start: {msg.reason}")
+        return msg
+
+    def _recv(self, rank: int):
+        try:
+            return self.conns[rank].recv()
+        except (EOFError, OSError):
+            self._check_procs("answer")
+            raise WorkerFailedError(
+                f"tensor-parallel rank {rank} closed its connection (the process died?)"
+            ) from None
+
+    def _check_procs(self, what: str) -> None:
+        for rank, p in enumerate(self.procs):
+            rc = p.poll()
+            if rc is not None and (rc != 0 or what != "stop"):
+                raise WorkerFailedError(
+                    f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {rc} before it "
+                    f"could {what}{self._log_tail(rank)}"
+                )
+
+    def _log_tail(self, rank: int, lines: int = 6) -> str:
+        if rank >= len(self._logs):
+            return ""
+        try:
+            with open(self._logs[rank], errors="replace") as f:
+                tail = f.read().strip().splitlines()[-lines:]
+        except OSError:
+            return ""
+        return (": " + " | ".join(tail)) if tail else ""
+
+    # -- steps ------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> list[StepResult]:
+        """Send the plan to every rank; every rank's result (rank 0's carries the logits)."""
+        if self.dead is not None:
+            raise WorkerFailedError(self.dead)
+        try:
+            for rank, c in enumerate(self.conns):
+                try:
+                    c.send(plan)
+                except (OSError, EOFError):
+                    self._check_procs("take a step")
+                    raise WorkerFailedError(
+                        f"tensor-parallel rank {rank} cannot be reached (connection closed)"
+                    ) from None
+            return self._gather()
+        except WorkerFailedError as e:
+            self._fail(str(e))
+            raise
+
+    def _gather(self) -> list[StepResult]:
+        results: dict[int, StepResult] = {}
+        rank_of = {id(c): r for r, c in enumerate(self.conns)}
+        deadline = time.monotonic() + self.step_timeout_s
+        while len(results) < self.world_size:
+            pending = [c for r, c in enumerate(self.conns) if r not in results]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = sorted(rank_of[id(c)] for c in pending)
+                raise WorkerFailedError(
+                    f"tensor-parallel rank(s) {ranks} did not finish a step within "
+                    f"{self.step_timeout_s:g} s (step_timeout): hung or too slow"
+                )
+            for c in wait(pending, timeout=min(left, 0.5)):
+                rank = rank_of[id(c)]
+                msg = self._recv(rank)
+                if isinstance(msg, WorkerFailed):
+                    raise WorkerFailedError(f"tensor-parallel rank {rank} failed: {msg.reason}")
+                results[rank] = msg
+            self._check_procs("finish the step")
+        return [results[r] for r in range(self.world_size)]
+
+    def _fail(self, reason: str) -> None:
+        if self.dead is None:
+            self.dead = reason
+            logger.error("tensor-parallel engine failed: %s", reason)
+        self.close(graceful=False)
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def close(self, graceful: bool = True, timeout_s: float = 5.0) -> None:
+        """Stop every worker (Shutdown, then terminate, then kill) and remove their logs."""
+        if graceful and self.dead is None:
+            for c in self.conns:
+                try:
+                    c.send(Shutdown())
+                except (OSError, EOFError):
+                    pass
+        for c in self.conns:
+            c.close()
+        self.conns = []
+        deadline = time.monotonic() + (timeout_s if graceful else 0.5)
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(2.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+        for log in self._logs:
+            try:
+                os.unlink(log)
+            except OSError:
+                pass
+        self._logs = []
+        if self.dead is None:
+            self.dead = "the tensor-parallel workers were shut down"

@@ -1,0 +1,87 @@
+"""What crosses between the driver and its tensor-parallel workers: plain dataclasses of numpy
+arrays, lists and numbers (pickled over a ``multiprocessing.connection``), never torch tensors
+or engine objects, so a worker on another machine needs nothing but this module to read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class WorkerSpec:
+    """Sent once to every rank: what to load and how big its pools are (same for all ranks)."""
+
+    model: str
+    dtype: str
+    device: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    num_host_blocks: int
+    kv_cache_dtype: str
+    attention_backend: str
+    num_threads: int
+    dist_backend: str  # "gloo" on CPU, "nccl" on CUDA
+    collective_timeout_s: float
+
+
+@dataclass
+class WorkerReady:
+    rank: int
+    pid: int
+    host: str
+    num_kv_heads: int  # this rank's KV heads (a replicated head counts on every rank holding it)
+    bytes_per_block: int  # measured on the rank's real pool
+    device_pool_bytes: int
+    host_pool_bytes: int
+    weight_bytes: int
+
+
+@dataclass
+class StepPlan:
+    """One engine step, the same message for every rank: the flat inputs the runner prepared
+    (token ids, positions, slot mapping, block tables gathered from the runner's block table),
+    the block copies in the runner's order, and which hidden rows need logits."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    max_query_len: int
+    max_seq_len: int
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    logits_rows: list[int]
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    rope_seq_lens: np.ndarray | None = None  # LongRoPE models: each request's whole length
+
+
+@dataclass
+class StepResult:
+    rank: int
+    logits: np.ndarray | None  # rank 0 only: float32 [len(logits_rows), vocab]
+    swap_out_seconds: float = 0.0
+    swap_in_seconds: float = 0.0
+    compute_seconds: float = 0.0  # block ops + forward + logits, on the rank
+    collective_seconds: float = 0.0  # of which inside all-reduce / all-gather
+    num_collectives: int = 0
+
+
+@dataclass
+class WorkerFailed:
+    """A rank's own report of why it cannot go on (load error, collective timeout...)."""
+
+    rank: int
+    reason: str
+
+
+@dataclass
+class Shutdown:
+    pass

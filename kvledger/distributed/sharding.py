@@ -1,0 +1,168 @@
+"""Megatron-style sharding of a loaded model for one tensor-parallel rank.
+
+Each rank keeps 1/N of the attention heads and of the MLP's intermediate width:
+
+- ``qkv_proj`` is column-parallel: the rank's q heads and their KV heads (KV heads split
+  while N <= num_kv_heads; beyond that each KV head is replicated on N / num_kv_heads ranks,
+  as vLLM does, and each rank's pool holds its one head);
+- ``o_proj`` and ``down_proj`` are row-parallel: their partial sums are all-reduced
+  (``RowParallelLinear``; the bias is added once, by rank 0);
+- ``gate_up_proj`` is column-parallel (the rank's gate rows and up rows);
+- the embedding is vocabulary-parallel (each rank looks up its slice of rows, zero elsewhere,
+  then all-reduce) and so is the LM head (each rank computes its slice of the logits, then
+  all-gather); a vocabulary that N does not divide is padded with zero rows on the last rank.
+
+Sharding happens after the weights load and before ``pack_linears``, so the native kernels
+and the oneDNN packing see each rank's own (smaller) matrices.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvledger.distributed.parallel_state import all_gather_last, all_reduce
+from kvledger.errors import ConfigError
+from kvledger.ledger.accounting import ModelSpec
+from kvledger.model.layers import GatedMLP, Linear
+from kvledger.model.llama import LlamaForCausalLM, ModelConfig
+
+
+def check_tensor_parallel(spec: ModelSpec, tp: int, intermediate_size: int | None = None,
+                          num_experts: int = 0) -> None:
+    """Refuse a degree the model cannot be split by, with the reason (before anything starts)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    if tp == 1:
+        return
+    h, k = spec.num_attention_heads, spec.num_kv_heads
+    if h % tp:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} does not divide {spec.name}'s {h} attention heads"
+        )
+    if (tp <= k and k % tp) or (tp > k and tp % k):
+        raise ConfigError(
+            f"tensor_parallel_size={tp} cannot split {spec.name}'s {k} KV heads: it must divide "
+            f"them, or be a multiple of them (each KV head then replicated on {tp}/{k} ranks)"
+        )
+    if intermediate_size is not None and intermediate_size % tp:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} does not divide {spec.name}'s MLP width {intermediate_size}"
+        )
+    if num_experts:
+        raise ConfigError(
+            "tensor parallelism for mixture-of-experts models (Mixtral, Qwen3-MoE) is not "
+            "implemented; use tensor_parallel_size=1"
+        )
+
+
+def kv_head_range(rank: int, num_kv_heads: int, tp: int) -> tuple[int, int]:
+    """(first KV head, count) that ``rank`` holds."""
+    if tp <= num_kv_heads:
+        per = num_kv_heads // tp
+        return rank * per, per
+    return rank // (tp // num_kv_heads), 1
+
+
+class RowParallelLinear(Linear):
+    """x_r W_r^T summed over ranks: the input is already split by columns (heads, MLP width)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(super().forward(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of the embedding on this rank; other tokens look up zeros, and the
+    all-reduce adds the one rank that holds each token's row."""
+
+    def __init__(self, weight: torch.Tensor, start: int, end: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start, self.end = start, end
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return all_reduce(out)
+
+
+class _GatherVocab:
+    """Concatenates the ranks' logit slices and drops the padding rows' columns."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return all_gather_last(logits)[:, : self.vocab_size]
+
+
+def _own(t: torch.Tensor) -> nn.Parameter:
+    """A contiguous copy (not a view of the checkpoint's memory map, nor of the full weight)."""
+    return nn.Parameter(t.contiguous().clone(), requires_grad=False)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, cls: type[Linear] = Linear) -> Linear:
+    out = cls(weight.shape[1], weight.shape[0], bias=False, weight=_own(weight))
+    if bias is not None:
+        out.bias = _own(bias)
+    return out
+
+
+def _rows(t: torch.Tensor, start: int, n: int, padded: int) -> torch.Tensor:
+    """Rows [start, start + n) of t, zero-padded to ``padded`` rows."""
+    part = t[start : start + n]
+    if n == padded:
+        return part
+    pad = torch.zeros((padded - n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    return torch.cat([part, pad])
+
+
+def shard_model(model: LlamaForCausalLM, rank: int, tp: int) -> None:
+    """Cut the (unpacked) model down to rank ``rank``'s share, in place."""
+    cfg: ModelConfig = model.config
+    for layer in model.model.layers:
+        a = layer.self_attn
+        H, K, D = a.num_heads, a.num_kv_heads, a.head_dim
+        h = H // tp
+        k0, kn = kv_head_range(rank, K, tp)
+        q_rows = slice(rank * h * D, (rank + 1) * h * D)
+        k_rows = slice(H * D + k0 * D, H * D + (k0 + kn) * D)
+        v_rows = slice((H + K) * D + k0 * D, (H + K) * D + (k0 + kn) * D)
+
+        def pick(t: torch.Tensor, q_rows=q_rows, k_rows=k_rows, v_rows=v_rows) -> torch.Tensor:
+            return torch.cat([t[q_rows], t[k_rows], t[v_rows]])
+
+        qkv = a.qkv_proj
+        a.qkv_proj = _linear(pick(qkv.weight), None if qkv.bias is None else pick(qkv.bias))
+        o = a.o_proj
+        a.o_proj = _linear(o.weight[:, q_rows], o.bias if rank == 0 else None, RowParallelLinear)
+        a.num_heads, a.num_kv_heads = h, kn
+        a.q_size, a.kv_size = h * D, kn * D
+        mlp = layer.mlp
+        if not isinstance(mlp, GatedMLP):
+            raise ConfigError("tensor parallelism needs a dense MLP in every layer")
+        n = mlp.intermediate_size
+        i = n // tp
+        mine = slice(rank * i, (rank + 1) * i)
+        gu = mlp.gate_up_proj
+        gate_up = torch.cat([gu.weight[mine], gu.weight[n:][mine]])
+        gu_bias = None if gu.bias is None else torch.cat([gu.bias[mine], gu.bias[n:][mine]])
+        mlp.gate_up_proj = _linear(gate_up, gu_bias)
+        d = mlp.down_proj
+        mlp.down_proj = _linear(d.weight[:, mine], d.bias if rank == 0 else None, RowParallelLinear)
+        mlp.intermediate_size = i
+
+    vocab = cfg.vocab_size
+    per = -(-vocab // tp)
+    start = min(rank * per, vocab)
+    n = max(0, min(vocab, start + per) - start)
+    embed = model.model.embed_tokens.weight
+    model.model.embed_tokens = VocabParallelEmbedding(
+        _rows(embed, start, n, per).contiguous().clone(), start, start + n
+    )
+    if model.lm_head is not None:
+        model.lm_head = _linear(_rows(model.lm_head.weight, start, n, per), None)
+    model.__dict__["vocab_gather"] = _GatherVocab(vocab)
