@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -99,23 +101,91 @@ def test_start_up_refuses_what_cannot_be_split(pair, monkeypatch):
         LLM(str(folder), tensor_parallel_size=2, kv_cache_dtype="int8", **ENGINE)
 
 
-def test_a_hung_rank_fails_the_requests_in_bounded_time(tmp_path):
+def test_two_torchrun_nodes_then_a_hung_rank(tmp_path, monkeypatch):
+    """Ranks as a multi-machine deployment starts them: two torchrun 'nodes' on loopback, each
+    with one `python -m kvledger.worker`, connecting to a driver that spawns nothing. Then rank
+    1 hangs (SIGSTOP): the next generate fails every request within the step timeout, naming
+    the rank, and the engine refuses further work."""
+    from tests.test_server import free_port
+
     build_hf_model(tiny_config("llama_gqa"), tmp_path)
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, tp_step_timeout=3, **ENGINE)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 8
-    pid = llm.ledger().ranks[1]["pid"]
-    os.kill(pid, signal.SIGSTOP)  # rank 1 hangs
+    key = "two-node-test-secret"
+    monkeypatch.setenv("KVLEDGER_TP_AUTHKEY", key)
+    driver, master = free_port(), free_port()
+    env = {**os.environ, "KVLEDGER_TP_AUTHKEY": key, "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "torchrun.log", "wb")  # noqa: SIM115 - closed below
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", str(master),
+             "-m", "kvledger.worker", "--driver", f"127.0.0.1:{driver}", "--threads", "1"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     try:
+        llm = LLM(str(tmp_path), tensor_parallel_size=2, distributed_executor_backend="external",
+                  tp_driver_address=f"127.0.0.1:{driver}", tp_step_timeout=3, **ENGINE)
+        pids = [r["pid"] for r in llm.ledger().ranks]
+        assert set(pids).isdisjoint({n.pid for n in nodes} | {os.getpid()})
+        want = run(LLM(str(tmp_path), **ENGINE))
+        assert run(llm) == want
+
+        os.kill(pids[1], signal.SIGSTOP)  # rank 1 hangs
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         t0 = time.monotonic()
         with pytest.raises(EngineFailedError, match="rank"):
             llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
         assert time.monotonic() - t0 < 30
+        assert not llm.llm_engine.has_unfinished_requests()  # every request failed and freed
+        with pytest.raises(EngineFailedError):
+            llm.generate([[5, 6, 7]], params, use_tqdm=False)
     finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    assert not llm.llm_engine.has_unfinished_requests()  # every request was failed and freed
-    with pytest.raises(EngineFailedError):
-        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        for pid in pids if "pids" in locals() else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for n in nodes:
+            try:
+                n.wait(15)
+            except subprocess.TimeoutExpired:
+                n.kill()
+                n.wait()
+        log.close()
+
+
+def test_server_answers_503_when_a_rank_dies(tmp_path, stories_path):
+    """`kvledger serve -tp 2`: the ledger and metrics show both ranks; killing rank 1 ends the
+    in-flight stream with an error naming it, and the server turns unhealthy (503)."""
+    import httpx
+
+    from tests.test_server import ServerProcess
+
+    srv = ServerProcess(str(stories_path), "-tp", "2", "--tp-step-timeout", "10",
+                        "--max-model-len", "512", log_path=tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        led = httpx.get(f"{srv.url}/v1/ledger", timeout=30).json()
+        assert led["tensor_parallel_size"] == 2 and len(led["ranks"]) == 2
+        m = srv.metrics()
+        for r in led["ranks"]:
+            assert m[f"kvledger:kv_rank_pool_bytes{{rank={r['rank']}}}"] == r["device_pool_bytes"]
+        body = {"model": str(stories_path), "prompt": "Once upon a time", "max_tokens": 480,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        t0 = time.monotonic()
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert '"text"' in first
+            pid = led["ranks"][1]["pid"]
+            os.kill(pid, signal.SIGSTOP)  # the stream cannot finish before the rank dies
+            os.kill(pid, signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert "rank 1" in rest and '"error"' in rest, rest[-1000:]
+        assert time.monotonic() - t0 < 60
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 503
+        r = httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 503, r.text
+    finally:
+        srv.stop()

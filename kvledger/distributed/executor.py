@@ -179,6 +179,7 @@ class TPExecutor:
         try:
             return self.conns[rank].recv()
         except (EOFError, OSError):
+            time.sleep(0.2)  # let the exit be seen, so the message says how it ended
             self._check_procs("answer")
             raise WorkerFailedError(
                 f"tensor-parallel rank {rank} closed its connection (the process died?)"
@@ -239,6 +240,9 @@ class TPExecutor:
                 rank = rank_of[id(c)]
                 msg = self._recv(rank)
                 if isinstance(msg, WorkerFailed):
+                    # A collective fails on every rank when one dies: blame the dead one.
+                    time.sleep(0.2)
+                    self._check_procs("finish the step")
                     raise WorkerFailedError(f"tensor-parallel rank {rank} failed: {msg.reason}")
                 results[rank] = msg
             self._check_procs("finish the step")

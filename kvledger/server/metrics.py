@@ -51,6 +51,9 @@ class EngineState:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     generation_tokens: int = 0
+    # Per tensor-parallel rank (one entry on one device): the real pool, and what it holds now.
+    rank_pool_bytes: list[int] = field(default_factory=list)
+    rank_used_bytes: list[int] = field(default_factory=list)
 
     @classmethod
     def capture(cls, engine: LLMEngine) -> EngineState:
@@ -70,6 +73,8 @@ class EngineState:
             swap_out_bytes=snap.swap_out_bytes,
             swap_in_bytes=snap.swap_in_bytes,
             generation_tokens=engine.num_generated_tokens,
+            rank_pool_bytes=[r["device_pool_bytes"] for r in snap.ranks] or [snap.device_pool_bytes],
+            rank_used_bytes=[r["used_bytes"] for r in snap.ranks] or [snap.used_bytes],
         )
 
 
@@ -126,6 +131,26 @@ class _EngineCollector:
             if with_samples:
                 c.add_metric([m], value)
             yield c
+        per_rank = [
+            ("kv_rank_pool_bytes", "Bytes of a tensor-parallel rank's KV pool (rank 0 alone on one device).",
+             s.rank_pool_bytes),
+            ("kv_rank_used_bytes", "Bytes of a rank's KV pool held by requests (its heads of the used blocks).",
+             s.rank_used_bytes),
+        ]
+        for name, doc, values in per_rank:
+            g = GaugeMetricFamily(f"kvledger:{name}", doc, labels=["model_name", "rank"])
+            if with_samples:
+                for rank, v in enumerate(values):
+                    g.add_metric([m, str(rank)], v)
+            yield g
+        g = GaugeMetricFamily(
+            "kvledger:kv_model_used_bytes",
+            "KV bytes held by requests over all ranks (a replicated KV head counts on each).",
+            labels=["model_name"],
+        )
+        if with_samples:
+            g.add_metric([m], sum(s.rank_used_bytes))
+        yield g
         c = CounterMetricFamily(
             "kvledger:num_preemptions", "Preemptions, by mode.", labels=["model_name", "mode"]
         )
