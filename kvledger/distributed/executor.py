@@ -73,6 +73,10 @@ class TPExecutor:
         self._logs: list[str] = []
         self.conns: list[Connection] = []
         self.ready: list[WorkerReady] = []
+        # Totals over steps, for the benchmark: the driver's round trip per step, and each
+        # rank's compute and time inside collectives (all-reduce / all-gather).
+        self.stats = {"steps": 0, "round_trip_s": 0.0, "compute_s": [0.0] * world_size,
+                      "collective_s": [0.0] * world_size, "collectives": [0] * world_size}
         if backend == "mp":
             authkey = secrets.token_hex(16).encode()
             host, port = "127.0.0.1", 0
@@ -209,6 +213,7 @@ class TPExecutor:
         """Send the plan to every rank; every rank's result (rank 0's carries the logits)."""
         if self.dead is not None:
             raise WorkerFailedError(self.dead)
+        t0 = time.perf_counter()
         try:
             for rank, c in enumerate(self.conns):
                 try:
@@ -218,10 +223,18 @@ class TPExecutor:
                     raise WorkerFailedError(
                         f"tensor-parallel rank {rank} cannot be reached (connection closed)"
                     ) from None
-            return self._gather()
+            results = self._gather()
         except WorkerFailedError as e:
             self._fail(str(e))
             raise
+        st = self.stats
+        st["steps"] += 1
+        st["round_trip_s"] += time.perf_counter() - t0
+        for r in results:
+            st["compute_s"][r.rank] += r.compute_seconds
+            st["collective_s"][r.rank] += r.collective_seconds
+            st["collectives"][r.rank] += r.num_collectives
+        return results
 
     def _gather(self) -> list[StepResult]:
         results: dict[int, StepResult] = {}

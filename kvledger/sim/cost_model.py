@@ -38,17 +38,23 @@ class GPU:
     hbm_bytes_per_s: float
     bf16_flops: float  # dense tensor-core peak
     memory_bytes: int
+    nvlink_bytes_per_s: float = 0.0  # per direction, one GPU to the others
 
 
 GPUS = {
     # NVIDIA datasheets: A100 SXM4 80GB (HBM2e 2,039 GB/s, 312 TFLOPS bf16 dense) and
     # H100 SXM5 80GB (HBM3 3.35 TB/s, 989 TFLOPS bf16 dense).
-    "a100-80gb": GPU("a100-80gb", 2.039e12, 312e12, 80 * 2**30),
-    "h100-80gb": GPU("h100-80gb", 3.35e12, 989e12, 80 * 2**30),
+    # NVLink per direction: A100 12 links x 25 GB/s, H100 18 links x 25 GB/s.
+    "a100-80gb": GPU("a100-80gb", 2.039e12, 312e12, 80 * 2**30, 300e9),
+    "h100-80gb": GPU("h100-80gb", 3.35e12, 989e12, 80 * 2**30, 450e9),
 }
 MEM_EFFICIENCY = 0.8  # achieved / peak HBM bandwidth for weight and KV streaming
 FLOP_EFFICIENCY = 0.5  # achieved / peak tensor-core FLOPs for the GEMMs (MFU)
 STEP_OVERHEAD_S = 2e-3  # launches + 2 all-reduces per layer under TP, per step
+# The explicit all-reduce term (gpu_cost_model(allreduce=True)): NCCL's small-message latency
+# per all-reduce, and the share of NVLink bandwidth a ring all-reduce reaches.
+ALLREDUCE_LATENCY_S = 10e-6
+NVLINK_EFFICIENCY = 0.8
 
 
 @dataclass
@@ -136,7 +142,7 @@ class StepCostModel:
 
 
 def gpu_cost_model(
-    gpu_name: str, spec: ModelSpec, tp: int = 1, kv_dtype: str = "auto"
+    gpu_name: str, spec: ModelSpec, tp: int = 1, kv_dtype: str = "auto", allreduce: bool = False
 ) -> StepCostModel:
     """Coefficients for ``spec`` on ``tp`` GPUs of one kind, per rank (ranks run in lock-step).
 
@@ -153,6 +159,12 @@ def gpu_cost_model(
     b = 0.142 ms/token, c = 61 ns/context token, d = 2.65 ns/pair; on 2 x A100: a = 44.9 ms,
     b = 0.449 ms/token, c = 100 ns, d = 8.4 ns. So a 2048-token prefill costs ~0.3 s on H100
     and a decode step of 64 requests x 1000 tokens of context ~41 ms.
+
+    ``allreduce`` (tp > 1) prices the tensor-parallel all-reduces explicitly instead of leaving
+    them inside the 2 ms: two per layer per step (after attention's o_proj and the MLP's
+    down_proj, as kvledger's ranks do), each ALLREDUCE_LATENCY_S plus a ring's
+    2 (tp - 1) / tp x tokens x hidden x dtype bytes over NVLINK_EFFICIENCY x the GPU's NVLink
+    bandwidth: for the 70B on 2 x H100, +1.6 ms per step and +7.3 us per batched token.
     """
     if gpu_name not in GPUS:
         raise ConfigError(f"unknown GPU {gpu_name!r} (known: {', '.join(GPUS)})")
@@ -165,13 +177,19 @@ def gpu_cost_model(
     mem = MEM_EFFICIENCY * g.hbm_bytes_per_s
     flops = FLOP_EFFICIENCY * g.bf16_flops
     q_heads = spec.num_attention_heads / tp
+    ar_a = ar_b = 0.0
+    if allreduce and tp > 1:
+        n = 2 * spec.num_layers
+        ar_a = n * ALLREDUCE_LATENCY_S
+        ring = 2 * (tp - 1) / tp * spec.hidden_size * spec.dtype_bytes
+        ar_b = n * ring / (NVLINK_EFFICIENCY * g.nvlink_bytes_per_s)
     return StepCostModel(
-        a=weights / mem + STEP_OVERHEAD_S,
-        b=2 * params / flops,
+        a=weights / mem + STEP_OVERHEAD_S + ar_a,
+        b=2 * params / flops + ar_b,
         c=kv / mem,
         d=4 * spec.num_layers * q_heads * spec.head_dim / flops,
         swap_bandwidth=PCIE4_X16_BYTES_PER_S,
-        name=f"{gpu_name}-{spec.name}-tp{tp}",
+        name=f"{gpu_name}-{spec.name}-tp{tp}" + ("+allreduce" if ar_a else ""),
         source=f"datasheet: {g.hbm_bytes_per_s / 1e12:g} TB/s HBM x {MEM_EFFICIENCY}, "
         f"{g.bf16_flops / 1e12:g} TFLOPS x {FLOP_EFFICIENCY}, +{STEP_OVERHEAD_S * 1e3:g} ms/step, "
         f"swap {PCIE4_X16_BYTES_PER_S / 1e9:g} GB/s",
