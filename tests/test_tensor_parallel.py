@@ -69,6 +69,25 @@ def test_tp2_is_token_identical_to_tp1(pair):
     assert b.preemptions["swap"] > 0 and b.preemptions["recompute"] > 0, b.preemptions
 
 
+def test_aborts_mid_generation_free_every_rank_block(pair):
+    """Steps streamed one by one, then an abort: the driver frees the blocks (the ranks hold no
+    request state), and the same prompt then runs to the tokens tp=1 gives."""
+    _, _, tp1, tp2 = pair
+    eng = tp2.llm_engine
+    eng.add_request([7, 8, 9, 10, 11], SamplingParams(temperature=0, max_tokens=40), request_id="x")
+    eng.stream_outputs = True  # every step reports the request, as for a server
+    try:
+        seen = [o.outputs[0].token_ids for _ in range(6) for o in eng.step()]
+        assert len(seen) == 6 and len(seen[-1]) == 6 and eng.kv.num_used_blocks > 0
+    finally:
+        eng.stream_outputs = False
+        eng.abort_request("x")
+    assert not eng.has_unfinished_requests() and eng.kv.num_used_blocks == 0
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = tp1.generate([[7, 8, 9, 10, 11]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert tp2.generate([[7, 8, 9, 10, 11]], params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
 def test_ledger_reports_each_ranks_pool(pair):
     kind, folder, tp1, tp2 = pair
     import json
