@@ -109,6 +109,25 @@ def test_ledger_reports_each_ranks_pool(pair):
     assert b.device_pool_bytes == 2 * b.total_blocks * per_rank
 
 
+def test_quantised_kv_with_sinks_and_window_matches_tp1(tmp_path):
+    """int8 KV with the full-precision overlay (4 sinks, an 8-token recent window): the driver
+    keeps the slots, each rank replays the overlay's operations on its heads; prefix hits take
+    sinks from the (rank-side) sink cache, n > 1 children copy their parent's slot."""
+    build_hf_model(tiny_config("llama_gqa"), tmp_path)
+    quant = dict(ENGINE, kv_cache_dtype="int8", kv_recent_tokens=8)
+    tp1 = LLM(str(tmp_path), **quant)
+    tp2 = LLM(str(tmp_path), tensor_parallel_size=2, **quant)
+    try:
+        assert run(tp2) == run(tp1)
+        a, b = tp1.ledger(), tp2.ledger()
+        assert b.sink_cache_hits == a.sink_cache_hits > 0
+        assert (b.overlay_slots, b.overlay_slots_used) == (a.overlay_slots, a.overlay_slots_used)
+        assert b.overlay_bytes == a.overlay_bytes // 2  # one rank's heads
+        assert b.preemptions == a.preemptions
+    finally:
+        tp2.llm_engine.shutdown()
+
+
 def test_start_up_refuses_what_cannot_be_split(pair, monkeypatch):
     _, folder, _, _ = pair
     with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide .* 4 attention heads"):
@@ -116,8 +135,6 @@ def test_start_up_refuses_what_cannot_be_split(pair, monkeypatch):
     monkeypatch.setattr(engine_mod, "_num_cpus", lambda: 2)
     with pytest.raises(ConfigError, match="tensor_parallel_size=4 exceeds the 2 CPU core"):
         LLM(str(folder), tensor_parallel_size=4, **ENGINE)
-    with pytest.raises(ConfigError, match="overlay .* not supported with tensor_parallel_size"):
-        LLM(str(folder), tensor_parallel_size=2, kv_cache_dtype="int8", **ENGINE)
 
 
 def test_two_torchrun_nodes_then_a_hung_rank(tmp_path, monkeypatch):

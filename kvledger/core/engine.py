@@ -116,12 +116,6 @@ class LLMEngine:
 
             check_tensor_parallel(self.spec, self.tp, mc.intermediate_size, mc.num_experts)
             _check_devices(self.tp, self.device, config.distributed_executor_backend or "mp")
-            if kv_dtype in QUANTIZED_KV_DTYPES and (cc.kv_sink_tokens or cc.kv_recent_tokens):
-                raise ConfigError(
-                    "the full-precision overlay of a quantised KV cache (kv_sink_tokens / "
-                    "kv_recent_tokens) is not supported with tensor_parallel_size > 1 yet; set "
-                    "kv_sink_tokens=0 and kv_recent_tokens=0"
-                )
         # Per rank under tensor parallelism: each rank's pool holds its own KV heads.
         kv_bytes = kv_bytes_per_token(self.spec, kv_dtype, self.tp)
         self.bytes_per_token = kv_bytes.total  # K/V data + quantisation scales
@@ -143,7 +137,7 @@ class LLMEngine:
         overlay_slots, reserved = self._plan_overlay(kv_dtype)
         num_blocks = cc.num_kv_blocks or self._size_pool(bytes_per_block, reserved)
         if self.tp > 1:
-            self._init_tensor_parallel(num_blocks, bytes_per_block, kv_dtype)
+            self._init_tensor_parallel(num_blocks, bytes_per_block, overlay_slots)
             return
         self.kv_pool = KVCachePool(
             num_layers=self.kv_layout.group_size,
@@ -217,7 +211,7 @@ class LLMEngine:
         self.executor = None
         self.tp_ranks: list = []  # WorkerReady of each rank (tensor parallelism)
 
-    def _init_tensor_parallel(self, num_blocks: int, bytes_per_block: int, kv_dtype: str) -> None:
+    def _init_tensor_parallel(self, num_blocks: int, bytes_per_block: int, overlay_slots: int) -> None:
         """Start the ranks (kvledger.distributed): each loads its shard and builds its pools of
         ``num_blocks`` blocks for its own KV heads; the scheduler and block manager stay here."""
         from kvledger.distributed.executor import TPExecutor
@@ -238,6 +232,9 @@ class LLMEngine:
             num_blocks=num_blocks,
             num_host_blocks=self.kv.host_pool.num_blocks if self.kv.host_pool else 0,
             kv_cache_dtype=cc.kv_cache_dtype,
+            kv_sink_tokens=cc.kv_sink_tokens,
+            kv_recent_tokens=cc.kv_recent_tokens,
+            overlay_slots=overlay_slots,
             attention_backend=self.attention_backend,
             num_threads=threads,
             dist_backend="nccl" if self.device.type == "cuda" else "gloo",
@@ -258,6 +255,14 @@ class LLMEngine:
                 )
         self.runner = ModelRunner(None, None, None, cc.block_size, self.device, seed=config.seed)
         self.runner.executor = self.executor
+        if overlay_slots:  # quantised KV's overlay: bookkeeping here, rows on the ranks
+            from kvledger.distributed.overlay_proxy import RemoteOverlayPool
+            from kvledger.model.kv_overlay import OverlaySlots
+
+            row = self.tp_ranks[0].overlay_bytes_per_row
+            self.runner.overlay = OverlaySlots(
+                RemoteOverlayPool(cc.kv_sink_tokens, cc.kv_recent_tokens, overlay_slots, row)
+            )
         rope = getattr(self.model, "rotary_emb", None)  # LongRoPE, as on one device
         self.scheduler.rope_long_from = self.runner.rope_long_from = getattr(rope, "long_from", None)
         self._finish_init()
@@ -325,13 +330,13 @@ class LLMEngine:
         cc, sc = self.config.cache, self.config.scheduler
         model_spec = replace(self.spec, dtype=_TORCH_DTYPE_NAMES[self.model_dtype])
         per_request = per_request_overhead_bytes(
-            model_spec, kv_dtype, cc.kv_sink_tokens, cc.kv_recent_tokens
+            model_spec, kv_dtype, cc.kv_sink_tokens, cc.kv_recent_tokens, self.tp
         )
         self.overlay_bytes_per_request = per_request
         if not per_request:
             return 0, 0
         slots = sc.max_num_seqs + max(4, sc.max_num_seqs // 8)
-        sinks = per_request_overhead_bytes(model_spec, kv_dtype, cc.kv_sink_tokens, 0)
+        sinks = per_request_overhead_bytes(model_spec, kv_dtype, cc.kv_sink_tokens, 0, self.tp)
         return slots, slots * per_request + SINK_CACHE_ENTRIES * sinks
 
     def _size_pool(self, bytes_per_block: int, reserved: int = 0) -> int:
@@ -708,18 +713,11 @@ class LLMEngine:
             ]
             snap.device_pool_bytes = sum(r.device_pool_bytes for r in self.tp_ranks)
             snap.model_bytes_per_block = sum(r.bytes_per_block for r in self.tp_ranks)
+            self._overlay_ledger(snap)
             self._swap_ledger(snap)
             return snap
         snap.model_bytes_per_block = snap.bytes_per_block
-        snap.overlay_slots = self.kv_pool.overlay_slots
-        snap.overlay_bytes = self.kv_pool.overlay_bytes
-        ov = self.runner.overlay
-        if ov is not None:
-            snap.overlay_slots_used = ov.num_used
-            snap.sink_cache_entries = len(ov.sink_cache)
-            snap.sink_cache_bytes = ov.sink_cache_bytes
-            snap.sink_cache_hits = ov.sink_cache_hits
-            snap.sink_cache_misses = ov.sink_cache_misses
+        self._overlay_ledger(snap)
         snap.device = str(self.device)
         pool = self.kv_pool
         snap.device_pool_bytes = pool.data.numel() * pool.data.element_size() + pool.overlay_bytes
@@ -727,6 +725,20 @@ class LLMEngine:
             snap.device_memory = _cuda_memory(self)
         self._swap_ledger(snap)
         return snap
+
+    def _overlay_ledger(self, snap: LedgerSnapshot) -> None:
+        """The quantised formats' overlay and sink cache (one rank's bytes under TP)."""
+        ov = self.runner.overlay
+        pool = self.kv_pool if self.kv_pool is not None else (ov.pool if ov is not None else None)
+        if pool is not None:
+            snap.overlay_slots = pool.overlay_slots
+            snap.overlay_bytes = pool.overlay_bytes
+        if ov is not None:
+            snap.overlay_slots_used = ov.num_used
+            snap.sink_cache_entries = len(ov.sink_cache)
+            snap.sink_cache_bytes = ov.sink_cache_bytes
+            snap.sink_cache_hits = ov.sink_cache_hits
+            snap.sink_cache_misses = ov.sink_cache_misses
 
     def _swap_ledger(self, snap: LedgerSnapshot) -> None:
         st = self.swap_stats

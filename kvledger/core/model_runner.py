@@ -204,6 +204,9 @@ class ModelRunner:
         if not so.scheduled and not (so.blocks_to_swap_out or so.blocks_to_copy or so.blocks_to_swap_in):
             return out
         inp = self.prepare(so) if so.scheduled else None
+        reqs = [s.request for s in so.scheduled]
+        if self.overlay is not None and inp is not None:  # the driver keeps the slot bookkeeping
+            self.overlay.annotate(inp.meta, reqs)
         rows = _logits_rows(inp) if inp is not None else []
         if inp is None:
             empty = np.zeros(0, dtype=np.int64)
@@ -220,11 +223,19 @@ class ModelRunner:
             )
             if m.rope_seq_lens is not None:  # LongRoPE: the table follows each sequence's length
                 plan.rope_seq_lens = m.rope_seq_lens.numpy()
+            if m.overlay_slots is not None:
+                plan.overlay_slots = m.overlay_slots
+                plan.overlay_sink_from = m.overlay_sink_from
+                plan.overlay_window_from = m.overlay_window_from
+        if self.overlay is not None:  # pool operations since the last step, in order
+            plan.overlay_ops = self.overlay.pool.take_ops()
         plan.blocks_to_swap_out = so.blocks_to_swap_out
         plan.blocks_to_copy = so.blocks_to_copy
         plan.blocks_to_swap_in = so.blocks_to_swap_in
         results = self.executor.execute(plan)
         self.last_step_ranks = results
+        if self.overlay is not None and inp is not None:
+            self.overlay.after_step(inp.meta, reqs)  # sink-cache saves go with the next plan
         out.swap_out_seconds = max(r.swap_out_seconds for r in results)
         out.swap_in_seconds = max(r.swap_in_seconds for r in results)
         if rows:

@@ -22,6 +22,9 @@ class WorkerSpec:
     num_blocks: int
     num_host_blocks: int
     kv_cache_dtype: str
+    kv_sink_tokens: int
+    kv_recent_tokens: int
+    overlay_slots: int  # quantised KV: the overlay's initial slots (it grows as the driver says)
     attention_backend: str
     num_threads: int
     dist_backend: str  # "gloo" on CPU, "nccl" on CUDA
@@ -38,6 +41,7 @@ class WorkerReady:
     device_pool_bytes: int
     host_pool_bytes: int
     weight_bytes: int
+    overlay_bytes_per_row: int = 0  # one overlay row (a token's K and V, all layers) on this rank
 
 
 @dataclass
@@ -61,6 +65,12 @@ class StepPlan:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     rope_seq_lens: np.ndarray | None = None  # LongRoPE models: each request's whole length
+    # Quantised KV with an overlay: each request's slot and valid rows (AttentionMetadata's
+    # overlay_*), and the pool operations to replay first (kvledger.distributed.overlay_proxy).
+    overlay_slots: list[int] | None = None
+    overlay_sink_from: list[int] | None = None
+    overlay_window_from: list[int] | None = None
+    overlay_ops: list = field(default_factory=list)
 
 
 @dataclass

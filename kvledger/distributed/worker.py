@@ -33,6 +33,7 @@ from kvledger.distributed.messages import (
     WorkerReady,
     WorkerSpec,
 )
+from kvledger.distributed.overlay_proxy import apply_overlay_ops
 from kvledger.distributed.sharding import shard_model
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
@@ -72,7 +73,11 @@ class Worker:
             dtype=loaded.dtype,
             device=self.device,
             kv_cache_dtype=spec.kv_cache_dtype,
+            sink_tokens=spec.kv_sink_tokens,
+            recent_tokens=spec.kv_recent_tokens,
+            overlay_slots=spec.overlay_slots,
         )
+        self.sinks: dict[int, torch.Tensor] = {}  # the overlay's sink cache, keyed by the driver
         self.host_pool = (
             HostKVPool(spec.num_host_blocks, self.kv_pool) if spec.num_host_blocks else None
         )
@@ -86,6 +91,10 @@ class Worker:
             device_pool_bytes=self.kv_pool.data.numel() * self.kv_pool.data.element_size(),
             host_pool_bytes=0 if self.host_pool is None else self.host_pool.data.numel(),
             weight_bytes=_tensor_bytes(model.parameters()),
+            overlay_bytes_per_row=(
+                self.kv_pool.num_layers * 2 * attn.num_kv_heads * attn.head_dim
+                * self.kv_pool.dtype.itemsize if self.kv_pool.overlay is not None else 0
+            ),
         )
 
     @torch.inference_mode()
@@ -94,6 +103,8 @@ class Worker:
         st = parallel_state.TP
         st.collective_seconds, st.num_collectives = 0.0, 0
         out = StepResult(self.rank, None)
+        if plan.overlay_ops:
+            apply_overlay_ops(self.kv_pool, self.sinks, plan.overlay_ops)
         if plan.blocks_to_swap_out:
             t = time.perf_counter()
             self.host_pool.swap_out(plan.blocks_to_swap_out)
@@ -120,6 +131,10 @@ class Worker:
                 query_lens_list=plan.query_lens_list,
                 seq_lens_list=plan.seq_lens_list,
             )
+            if plan.overlay_slots is not None:
+                meta.overlay_slots = plan.overlay_slots
+                meta.overlay_sink_from = plan.overlay_sink_from
+                meta.overlay_window_from = plan.overlay_window_from
             if plan.rope_seq_lens is not None:
                 meta.rope_seq_lens = tensor(plan.rope_seq_lens)
             hidden = self.model(tensor(plan.input_ids), tensor(plan.positions), meta, self.kv_pool.layers)

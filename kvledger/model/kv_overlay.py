@@ -152,7 +152,10 @@ class OverlaySlots:
                     continue
                 self.sink_cache[key] = self.pool.read_overlay_rows(st.slot, 0, S).clone()
                 if len(self.sink_cache) > self.sink_entries:
-                    self.sink_cache.popitem(last=False)
+                    _, old = self.sink_cache.popitem(last=False)
+                    release = getattr(old, "release", None)  # a TP driver's handle (distributed/)
+                    if release is not None:
+                        release()
 
     def _sinks_from_cache(self, st: _SlotState, req: Any) -> None:
         S = self.S
