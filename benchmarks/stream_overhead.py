@@ -63,21 +63,25 @@ def serve(port: int, model: str, max_num_seqs: int) -> None:
             calibrate_preemption=False,
         )
     )
-    steps: list[tuple[int, float, float]] = []  # (context length, model s, whole step s)
+    # Per step: (context length, model s, whole step s, model CPU s, whole step CPU s, the
+    # server process's CPU s so far). CPU times (this thread's; torch runs on it with 1 thread)
+    # do not count the time the OS gives other processes, so they hold on a loaded machine.
+    steps: list[tuple[int, float, float, float, float, float]] = []
     execute, step = engine.runner.execute, engine.step
-    model_s = [0.0, 0]
+    model_s = [0.0, 0, 0.0]
 
     def timed_execute(so):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = execute(so)
-        model_s[0] = time.perf_counter() - t0
+        model_s[0], model_s[2] = time.perf_counter() - t0, time.thread_time() - c0
         model_s[1] = max((s.request.num_computed_tokens for s in so.scheduled), default=0)
         return out
 
     def timed_step():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         outs = step()
-        steps.append((model_s[1], model_s[0], time.perf_counter() - t0))
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        steps.append((model_s[1], model_s[0], wall, model_s[2], cpu, time.process_time()))
         return outs
 
     engine.runner.execute = timed_execute
@@ -171,14 +175,20 @@ def run_one(src: Path, model: Path, streams: int, tokens: int) -> dict:
     res = {"streams": streams, "wall_s": wall, "foreign_cores": max(0.0, foreign) / wall}
     for name, (lo, hi) in (("early", EARLY), ("late", LATE)):
         itl = statistics.median(window_itl(t, lo, hi) for t in all_times)
-        window = [(m, st) for ctx, m, st in steps if lo + 8 <= ctx < hi + 8]
-        m = statistics.fmean(x for x, _ in window)
-        st = statistics.fmean(y for _, y in window)
+        window = [r for r in steps if lo + 8 <= r[0] < hi + 8]
+        m = statistics.fmean(r[1] for r in window)
+        st = statistics.fmean(r[2] for r in window)
+        m_cpu = statistics.fmean(r[3] for r in window)
+        st_cpu = statistics.fmean(r[4] for r in window)
+        # The whole server's CPU per step over the window (engine, event loop, JSON, SSE).
+        proc_cpu = (window[-1][5] - window[0][5]) / max(1, len(window) - 1)
         res[name] = {
             "itl_ms": 1e3 * itl,
             "model_ms": 1e3 * m,
             "engine_overhead_ms": 1e3 * (st - m),
             "overhead_ms": 1e3 * (itl - m),
+            "engine_overhead_cpu_ms": 1e3 * (st_cpu - m_cpu),
+            "server_host_cpu_ms": 1e3 * (proc_cpu - m_cpu),
         }
     return res
 
@@ -242,11 +252,25 @@ def main() -> None:
                     f" | foreign CPU {r['foreign_cores']:.2f} cores",
                     flush=True,
                 )
+                if "engine_overhead_cpu_ms" in e:
+                    eng_x = lt["engine_overhead_cpu_ms"] / e["engine_overhead_cpu_ms"]
+                    host_x = lt["server_host_cpu_ms"] / e["server_host_cpu_ms"]
+                    print(
+                        f"{'':<24} {'':>2}  CPU time | engine overhead ms/step"
+                        f" {e['engine_overhead_cpu_ms']:5.3f} -> {lt['engine_overhead_cpu_ms']:5.3f}"
+                        f" (x{eng_x:.2f}) | server host CPU ms/step"
+                        f" {e['server_host_cpu_ms']:5.3f} -> {lt['server_host_cpu_ms']:5.3f}"
+                        f" (x{host_x:.2f})",
+                        flush=True,
+                    )
     print(
         "(ITL: client inter-token time, mean over the window, median over streams; model:"
         " ModelRunner.execute per step; engine overhead: LLMEngine.step less the model;"
         " ITL - model: all host work per step (engine, asyncio, JSON, SSE, client) that"
-        " the model time does not hide. x = late / early.)"
+        " the model time does not hide. CPU time: the same less the time other processes"
+        " take: engine overhead = the engine thread's CPU per step less the model's; server"
+        " host CPU = the server process's CPU per step less the model's (engine, event loop,"
+        " JSON, SSE; not the client). x = late / early.)"
     )
     out = BENCH_OUT / "stream_overhead" / "result.json"
     out.write_text(json.dumps(rows, indent=2))
