@@ -97,6 +97,47 @@ def serve(port: int, model: str, max_num_seqs: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
+def calls_per_step(model: str, tokens: int) -> dict:
+    """Python calls per engine step (cProfile) over the early and the late window, in-process,
+    one DELTA stream with logprobs: a count that the machine's load cannot change. Equal counts
+    mean the host work per token no longer grows with the output; the time the same calls take
+    still can (caches cooled by attention over a longer context), so the slowdown of one
+    function doing identical work at both positions (native.small_gemm) is reported with it."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    from kvledger import LLM, SamplingParams
+    from kvledger.sampling_params import RequestOutputKind
+
+    torch.set_num_threads(1)
+    llm = LLM(model, max_model_len=MAX_LEN, max_num_batched_tokens=MAX_LEN, calibrate_preemption=False)
+    eng = llm.llm_engine
+    eng.stream_outputs = True
+    params = SamplingParams(
+        temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=0,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    eng.add_request([5, 9, 12, 40, 41, 42, 43, 44], params)
+    profs = {"early": cProfile.Profile(), "late": cProfile.Profile()}
+    step = 0
+    while eng.has_unfinished_requests():
+        prof = next((profs[n] for n, (lo, hi) in (("early", EARLY), ("late", LATE)) if lo <= step < hi), None)
+        if prof is not None:
+            prof.enable()
+        eng.step()
+        if prof is not None:
+            prof.disable()
+        step += 1
+    out = {}
+    for name, (lo, hi) in (("early", EARLY), ("late", LATE)):
+        st = pstats.Stats(profs[name])
+        gemm = sum(v[2] for fn, v in st.stats.items() if fn[2] == "small_gemm")
+        out[name] = {"calls": st.total_calls / (hi - lo), "small_gemm_us": 1e6 * gemm / (hi - lo)}
+    return out
+
+
 # -- the client side ---------------------------------------------------------------------------
 async def stream_one(client, prompt: list[int], tokens: int) -> list[float]:
     """Arrival time of each output token of one streamed completion."""
@@ -272,6 +313,16 @@ def main() -> None:
         " host CPU = the server process's CPU per step less the model's (engine, event loop,"
         " JSON, SSE; not the client). x = late / early.)"
     )
+    c = calls_per_step(str(model), a.tokens)
+    e, lt = c["early"], c["late"]
+    print(
+        f"kvledger @ {head:<13} in-process | Python calls per engine step {e['calls']:.1f} -> "
+        f"{lt['calls']:.1f} (x{lt['calls'] / e['calls']:.3f}) | native.small_gemm (same work)"
+        f" us/step {e['small_gemm_us']:.0f} -> {lt['small_gemm_us']:.0f}"
+        f" (x{lt['small_gemm_us'] / e['small_gemm_us']:.2f})",
+        flush=True,
+    )
+    rows.append({"version": head, "calls_per_step": c})
     out = BENCH_OUT / "stream_overhead" / "result.json"
     out.write_text(json.dumps(rows, indent=2))
     print(f"results : {out}")
