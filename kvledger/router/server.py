@@ -60,7 +60,10 @@ class Tokenizer:
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
+        from kvledger.model.loader import bound_bpe_cache
+
         self.tok = AutoTokenizer.from_pretrained(path)
+        bound_bpe_cache(self.tok)  # the router tokenizes every request too
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         try:
