@@ -131,6 +131,21 @@ def add_parser(subparsers: Any) -> None:
         "process",
     )
     p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine cores (processes, each with its own KV pool) behind this one front end, "
+        "each request sent to one of them by --dp-routing (default: 1)",
+    )
+    p.add_argument(
+        "--dp-routing",
+        choices=["cache_aware", "round_robin", "least_loaded"],
+        default="cache_aware",
+        help="how a request picks its core when --data-parallel-size > 1: cache_aware (exact "
+        "prefix overlap from the cores' KV events, plus load), round_robin, least_loaded",
+    )
+    p.add_argument(
         "--torch-threads",
         type=int,
         default=None,
@@ -232,6 +247,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.torch_threads is not None and args.torch_threads < 1:
         raise ConfigError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    if args.data_parallel_size < 1:
+        raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and not args.engine_process:
+        raise ConfigError("--data-parallel-size > 1 needs engine core processes (drop --no-engine-process)")
 
     import prometheus_client
     import torch
@@ -252,7 +271,14 @@ def run(args: argparse.Namespace) -> int:
         args.model, **engine_kwargs(args), warm_up_gemm_shapes=True
     )
     engine: LLMEngine | AsyncCoreEngine
-    if args.engine_process:  # the engine core in its own process (vLLM v1's split)
+    if args.data_parallel_size > 1:  # N cores, one front end (kvledger/router/dp_engine.py)
+        from kvledger.router.dp_engine import DataParallelEngine
+
+        engine = DataParallelEngine.launch_dp(
+            engine_config, args.data_parallel_size, args.dp_routing, torch_threads=args.torch_threads
+        )
+        info = engine.info
+    elif args.engine_process:  # the engine core in its own process (vLLM v1's split)
         engine = AsyncCoreEngine.launch(engine_config, torch_threads=args.torch_threads)
         info = engine.info
     else:

@@ -93,7 +93,7 @@ class AsyncCoreEngine:
         return self._loop is not None and all(c.is_alive for c in self.clients)
 
     # -- requests -------------------------------------------------------------------------------
-    def choose_engine(self, prompt_token_ids: list[int]) -> int:
+    def choose_engine(self, prompt_token_ids: list[int], request_id: str | None = None, params: Any = None) -> int:
         """The core for a new request: the one with the fewest requests in flight."""
         loads = self._in_flight
         return min(range(len(loads)), key=loads.__getitem__)
@@ -117,7 +117,7 @@ class AsyncCoreEngine:
             ids, text = tokenize_prompt(self.tokenizer, prompt, add_special_tokens), prompt
         else:
             ids, text = list(prompt), None
-        idx = self.choose_engine(ids)
+        idx = self.choose_engine(ids, request_id, params)
         stream = RequestStream(self, request_id, params.output_kind is RequestOutputKind.DELTA)  # type: ignore[arg-type]
         stream.prompt_token_ids, stream.prompt = ids, text
         self._streams[request_id] = stream

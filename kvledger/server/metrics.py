@@ -10,6 +10,7 @@ through the engine thread (AsyncEngine's observer hooks).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 
@@ -78,18 +79,40 @@ class EngineState:
         )
 
 
+def sum_states(states: list[EngineState]) -> EngineState:
+    """Data-parallel replicas as one engine: counts summed, usage recomputed."""
+    total = EngineState()
+    for s in states:
+        for f in dataclasses.fields(EngineState):
+            v = getattr(s, f.name)
+            if isinstance(v, dict):
+                acc = getattr(total, f.name)
+                for k, x in v.items():
+                    acc[k] = acc.get(k, 0) + x
+            elif f.name != "usage":
+                setattr(total, f.name, getattr(total, f.name) + v)
+    blocks = total.used_blocks + total.free_blocks
+    total.usage = total.used_blocks / blocks if blocks else 0.0
+    return total
+
+
 class _EngineCollector:
+    """``state``: one engine's, or a list (data-parallel replicas: kvledger:* series give the
+    total, vllm:* series one sample per replica under its ``engine`` label, as vLLM's)."""
+
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.state = EngineState()
+        self.state: EngineState | list[EngineState] = EngineState()
 
     def describe(self):
         return list(self._families(EngineState(), with_samples=False))
 
     def collect(self):
-        return list(self._families(self.state, with_samples=True))
+        s = self.state
+        states = s if isinstance(s, list) else [s]
+        return list(self._families(sum_states(states) if isinstance(s, list) else s, True, states))
 
-    def _families(self, s: EngineState, with_samples: bool):
+    def _families(self, s: EngineState, with_samples: bool, per_engine: list[EngineState] | None = None):
         m = self.model_name
         gauges = [
             (
@@ -158,7 +181,7 @@ class _EngineCollector:
             for mode in ("swap", "recompute"):
                 c.add_metric([m, mode], s.preemptions.get(mode, 0))
         yield c
-        yield from self._vllm_families(s, with_samples)
+        yield from self._vllm_families(s, with_samples, per_engine)
         c = CounterMetricFamily(
             "kvledger:swapped_bytes",
             "KV bytes moved between device and host, by direction.",
@@ -170,39 +193,36 @@ class _EngineCollector:
         yield c
 
 
-    def _vllm_families(self, s: EngineState, with_samples: bool):
-        """The scheduler and cache series under vLLM's names (gauges and counters)."""
-        labels, values = ["model_name", "engine"], [self.model_name, ENGINE_INDEX]
-        for name, doc, value in [
-            ("num_requests_running", "Number of requests in model execution batches.", s.running),
-            ("num_requests_waiting", "Number of requests waiting to be processed.", s.waiting),
-            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.usage),
-        ]:
+    def _vllm_families(self, s: EngineState, with_samples: bool, per_engine: list[EngineState] | None = None):
+        """The scheduler and cache series under vLLM's names (gauges and counters), one
+        sample per engine (data-parallel replica) under the ``engine`` label."""
+        labels = ["model_name", "engine"]
+        engines = list(enumerate(per_engine)) if per_engine is not None else [(int(ENGINE_INDEX), s)]
+        gauges = [
+            ("num_requests_running", "Number of requests in model execution batches.", lambda e: e.running),
+            ("num_requests_waiting", "Number of requests waiting to be processed.", lambda e: e.waiting),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda e: e.usage),
+        ]
+        for name, doc, get in gauges:
             g = GaugeMetricFamily(f"vllm:{name}", doc, labels=labels)
             if with_samples:
-                g.add_metric(values, value)
+                for i, e in engines:
+                    g.add_metric([self.model_name, str(i)], get(e))
             yield g
-        for name, doc, value in [
-            (
-                "prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens.",
-                s.prefix_cache_queries,
-            ),
-            (
-                "prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens.",
-                s.prefix_cache_hits,
-            ),
-            (
-                "num_preemptions",
-                "Cumulative number of preemption from the engine.",
-                sum(s.preemptions.values()),
-            ),
-            ("generation_tokens", "Number of generation tokens processed.", s.generation_tokens),
-        ]:
+        counters = [
+            ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             lambda e: e.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             lambda e: e.prefix_cache_hits),
+            ("num_preemptions", "Cumulative number of preemption from the engine.",
+             lambda e: sum(e.preemptions.values())),
+            ("generation_tokens", "Number of generation tokens processed.", lambda e: e.generation_tokens),
+        ]  # fmt: skip
+        for name, doc, get in counters:
             c = CounterMetricFamily(f"vllm:{name}", doc, labels=labels)
             if with_samples:
-                c.add_metric(values, value)
+                for i, e in engines:
+                    c.add_metric([self.model_name, str(i)], get(e))
             yield c
 
 
@@ -310,7 +330,7 @@ class ServerMetrics:
                         self.v_e2e.observe(end - met.arrival_time)
 
     # -- scrape ----------------------------------------------------------------------------
-    def render(self, state: EngineState) -> bytes:
+    def render(self, state: EngineState | list[EngineState]) -> bytes:
         with self._render_lock:
             self._engine.state = state
             return generate_latest(self.registry)
