@@ -60,3 +60,20 @@ def test_with_nothing_decoding_the_whole_budget_goes_to_prefills():
     assert _step(sched, 0.0) == (400, 0)
     while sched.has_unfinished():
         _step(sched, 1.0)
+
+
+def test_serve_caps_prefills_by_default_and_0_turns_it_off():
+    import argparse
+
+    from kvledger.commands import serve
+    from kvledger.config import SchedulerConfig
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    kw = serve.serve_engine_kwargs(parser.parse_args(["serve"]))
+    assert kw["max_prefill_tokens_while_decoding"] == serve.SERVE_PREFILL_CAP == 512
+    off = serve.serve_engine_kwargs(
+        parser.parse_args(["serve", "--max-prefill-tokens-while-decoding", "0"])
+    )
+    assert "max_prefill_tokens_while_decoding" not in off
+    assert SchedulerConfig().max_prefill_tokens_while_decoding is None  # offline: no cap
