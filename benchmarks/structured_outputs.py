@@ -10,9 +10,9 @@ end to end, and the step times while new grammars compile in the background.
    multi-character pieces), each matcher following a JSON-schema grammar with random logits;
    per token = step time / batch. Printed beside the plain argmax over the same logits (what
    an unconstrained greedy step does), with the ratios.
-2. End to end: a random-weight 30M Llama with a 32k vocabulary, batch 16, the same prompts
-   decoded with and without a JSON-schema constraint (grammar precompiled: the cache is warm);
-   tok/s of both and the ratio.
+2. End to end: a random-weight 30M (and with --e2e-presets bench-30m,bench-60m also 60M) Llama
+   with a 32k vocabulary, batch 16, the same prompts decoded with and without a JSON-schema
+   constraint (grammar precompiled: the cache is warm); tok/s of both and the ratio.
 3. Compile never stalls the loop: 16 requests decode; at step 20 sixteen requests with 16
    different new schemas arrive; each step's wall time is printed, and the mean/max of the
    steps while the grammars compile against the steps before.
@@ -118,12 +118,12 @@ def bench_mask(steps: int) -> None:
     print("(us per token; 'forbidden': share of rows whose unmasked argmax the grammar forbids)")
 
 
-def build_model(path: Path) -> Path:
-    """bench-30m random Llama (32k vocab) with a RAW WordLevel tokenizer of JSON-able pieces."""
+def build_model(path: Path, preset: str = "bench-30m") -> Path:
+    """A random Llama preset (32k vocab) with a RAW WordLevel tokenizer of JSON-able pieces."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    build_random_llama(path, "bench-30m")
+    build_random_llama(path, preset)
     marker = path / "structured_tokenizer"
     if not marker.exists():
         vocab = {p: i for i, p in enumerate(synthetic_vocab(32000))}
@@ -140,11 +140,11 @@ def build_model(path: Path) -> Path:
     return path
 
 
-def bench_e2e(path: Path, tokens: int, rounds: int) -> None:
+def bench_e2e(path: Path, tokens: int, rounds: int, preset: str = "bench-30m") -> None:
     from kvledger.llm import LLM
     from kvledger.sampling_params import SamplingParams, StructuredOutputsParams
 
-    print("\n## 2. end to end, batch 16, 32k vocab (bench-30m random weights)")
+    print(f"\n## 2. end to end, batch 16, 32k vocab ({preset} random weights)")
     llm = LLM(str(path), calibrate_preemption=False, max_num_seqs=16)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 32000) for _ in range(16)] for _ in range(16)]
@@ -208,6 +208,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="mask-cost steps per configuration")
     ap.add_argument("--e2e-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--e2e-presets", default="bench-30m", help="comma-separated model presets for part 2")
     args = ap.parse_args()
     from benchmarks.common import print_header
 
@@ -216,9 +217,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     bench_mask(args.steps)
-    path = build_model(BENCH_OUT / "models" / "structured-30m")
-    bench_e2e(path, args.e2e_tokens, args.rounds)
-    bench_compile_trace(path)
+    for preset in args.e2e_presets.split(","):
+        tag = preset.removeprefix("bench-")
+        bench_e2e(build_model(BENCH_OUT / "models" / f"structured-{tag}", preset), args.e2e_tokens, args.rounds, preset)
+    bench_compile_trace(build_model(BENCH_OUT / "models" / "structured-30m"))
 
 
 if __name__ == "__main__":
