@@ -202,3 +202,23 @@ def test_runner_tables_follow_every_groups_deltas():
     kv.free("a")
     check()
     assert all(len(bt) == 0 for bt in tables)
+
+
+def test_one_groups_new_blocks_never_evict_anothers_hit():
+    """All of a prompt's hit blocks are taken before any group allocates: otherwise group 0's
+    new blocks could evict (from the front of the free queue) the cached blocks group 1 is
+    about to take back, and one block would serve two groups."""
+    kv = _manager(num_blocks=14)
+    a, c = list(range(300, 308)), list(range(400, 408))
+    _step(kv, "a", [], a)  # 2 full blocks per group, all cached
+    kv.free("a")  # free queue (cached part): a's g0, g1, g2 blocks, then ...
+    _step(kv, "c", [], c)
+    kv.free("c")  # ... c's, which g0's new blocks may take instead
+    hits, n = kv.get_computed_blocks(a + [1, 2, 3, 4, 5])
+    assert n == 8
+    assert kv.allocate_slots("b", 5, hits)
+    kv.check_invariants()
+    tables = [set(b for b in t if b >= 0) for t in kv.block_tables("b")]
+    assert not (tables[0] & tables[1]) and not (tables[0] & tables[2]) and not (tables[1] & tables[2])
+    assert [t[:2] for t in kv.block_tables("b")] == hits
+    kv.free("b")

@@ -162,8 +162,13 @@ class HybridKVCacheManager:
             raise CacheError(f"request {request_id!r} is swapped out; swap it in first")
         if self.blocks_needed(request_id, num_new_tokens, computed_blocks) > self.num_free_blocks:
             return False
-        for g, c in zip(self.groups, self._computed(computed_blocks)):
-            ok = g.allocate_slots(request_id, num_new_tokens, c, salt)
+        if request_id not in self.requests:
+            # Every group takes its prefix hit first: a group's new blocks come from the front
+            # of the shared free queue, where another group's cached hit blocks may sit.
+            for g, c in zip(self.groups, self._computed(computed_blocks)):
+                g.allocate_slots(request_id, 0, c, salt)
+        for g in self.groups:
+            ok = g.allocate_slots(request_id, num_new_tokens)
             assert ok, "the groups' blocks were counted together"
         return True
 
