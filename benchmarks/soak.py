@@ -94,28 +94,35 @@ async def one_request(
     t0 = time.perf_counter()
     last = None
     ttft, gaps, chunks = None, [], 0
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return {"error": resp.status_code}
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            if ttft is None:
-                ttft = now - t0
-            else:
-                gaps.append(now - last)
-            last = now
-            chunks += 1
-            if hang_up_after is not None and chunks >= hang_up_after:
-                break  # leaving the context closes the connection mid-stream
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return {"error": resp.status_code}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - t0
+                else:
+                    gaps.append(now - last)
+                last = now
+                chunks += 1
+                if hang_up_after is not None and chunks >= hang_up_after:
+                    break  # leaving the context closes the connection mid-stream
+    except httpx.TransportError as e:  # counted, not fatal: the soak goes on and reports it
+        return {"error": type(e).__name__}
     return {"ttft": ttft, "gaps": gaps, "hung_up": hang_up_after is not None}
 
 
 async def wave(url: str, n: int, concurrency: int, disconnect: float, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # Idle connections expire before the server's 5 s keep-alive, so a starved client never
+    # sends on a connection the server is closing (a ReadError that is not the server's fault).
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
+    )
 
     async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
 
