@@ -36,16 +36,39 @@ WORDS = (
 ).split()
 
 
+def _tree(pid: int) -> list[int]:
+    """The process and its descendants (the engine core runs in a child of the front end)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in os.listdir(f"/proc/{p}/task"):
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+    return out
+
+
 def proc_stats(pid: int) -> dict[str, int]:
-    """Resident memory (KiB), threads and open descriptors of a live process, from /proc."""
-    out = {"rss_kib": 0, "threads": 0, "fds": 0}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                out["rss_kib"] = int(line.split()[1])
-            elif line.startswith("Threads:"):
-                out["threads"] = int(line.split()[1])
-    out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    """Resident memory (KiB), threads and open descriptors of a live server, from /proc, summed
+    over its process tree (front end + engine-core processes)."""
+    out = {"rss_kib": 0, "pss_kib": 0, "threads": 0, "fds": 0, "processes": 0}
+    for p in _tree(pid):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        out["rss_kib"] += int(line.split()[1])
+                    elif line.startswith("Threads:"):
+                        out["threads"] += int(line.split()[1])
+            with open(f"/proc/{p}/smaps_rollup") as f:  # shared pages counted once overall
+                out["pss_kib"] += sum(int(ln.split()[1]) for ln in f if ln.startswith("Pss:"))
+            out["fds"] += len(os.listdir(f"/proc/{p}/fd"))
+            out["processes"] += 1
+        except OSError:
+            pass
     return out
 
 
@@ -160,7 +183,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     reqs = [r["requests"] for r in rows]
     fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     a.plot(reqs, [r["rss_kib"] / 1024 for r in rows], marker="o")
-    a.set_ylabel("server RSS (MiB)")
+    a.set_ylabel("server RSS, all processes (MiB)")
     a.grid(alpha=0.3)
     for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
         b.plot(reqs, [r[key] for r in rows], marker=".", label=key)
@@ -213,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(
                 f"wave {row['wave']:4d}  reqs {served:7,d}  RSS {row['rss_kib'] / 1024:7.1f} MiB  "
+                f"PSS {row['pss_kib'] / 1024:7.1f} MiB  "
                 f"fds {row['fds']:3d}  thr {row['threads']:3d}  used {row['used_blocks']:4d}  "
                 f"TTFT p50/p99 {row['ttft_p50_ms']:6.1f}/{row['ttft_p99_ms']:7.1f} ms  "
                 f"ITL p50/p99 {row['itl_p50_ms']:5.1f}/{row['itl_p99_ms']:6.1f} ms  "
