@@ -15,11 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvledger.core.async_engine import EngineObserver, RequestStream, tokenize_prompt
+from kvledger.core.async_engine import (
+    EngineObserver,
+    RequestStream,
+    StreamingFront,
+    tokenize_prompt,
+)
 from kvledger.core.core_client import EngineCoreClient
 from kvledger.core.engine_info import EngineInfo
 from kvledger.errors import EngineDeadError, InvalidRequestError
@@ -27,7 +31,7 @@ from kvledger.outputs import RequestOutput
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
 
 
-class AsyncCoreEngine:
+class AsyncCoreEngine(StreamingFront):
     def __init__(
         self,
         clients: list[EngineCoreClient],
@@ -132,22 +136,9 @@ class AsyncCoreEngine:
             self.observer.on_request_added(len(ids))
         return stream
 
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
-        """Every update of one request until it finishes; leaving early aborts it."""
-        stream = await self.add_request(prompt, params, request_id, priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
     def abort(self, request_id: str) -> None:
         """Abort without waiting: its core drops it before its next step."""
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.finished = True
+        self._end_stream(request_id)
         idx = self._release(request_id)
         if idx is not None:
             self.clients[idx].abort([request_id])

@@ -120,7 +120,35 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
 
-class AsyncEngine:
+class StreamingFront:
+    """What both engine fronts share (this one and ``AsyncCoreEngine``): a request's updates
+    as an async iterator over its ``RequestStream``, and ending that stream on abort."""
+
+    _streams: dict[str, RequestStream]
+
+    async def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> RequestStream:
+        raise NotImplementedError
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Every update of one request until it finishes; leaving early aborts it."""
+        stream = await self.add_request(prompt, params, request_id, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def _end_stream(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.finished = True
+
+
+class AsyncEngine(StreamingFront):
     """The engine in this process, stepped by a background thread.
 
     ``AsyncCoreEngine`` (kvledger/core/async_core_engine.py) has the same API over engine
@@ -205,22 +233,9 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
-        """Every update of one request until it finishes; leaving early aborts it."""
-        stream = await self.add_request(prompt, params, request_id, priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
     def abort(self, request_id: str) -> None:
         """Abort without waiting: the engine drops it before its next step."""
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.finished = True
+        self._end_stream(request_id)
 
         def abort() -> None:
             eng = self.engine
