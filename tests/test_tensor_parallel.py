@@ -225,3 +225,28 @@ def test_server_answers_503_when_a_rank_dies(tmp_path, stories_path):
         assert r.status_code == 503, r.text
     finally:
         srv.stop()
+
+
+def test_a_dead_rank_is_blamed_not_the_peer_that_aborted_after_it():
+    """When rank 1 is killed its peer's collective fails and rank 0 aborts (SIGABRT) moments
+    later; whichever the driver sees first, the error names rank 1, the cause."""
+    from kvledger.distributed.executor import TPExecutor, WorkerFailedError
+
+    ex = TPExecutor.__new__(TPExecutor)  # only the process bookkeeping is exercised
+    ex._logs = []
+    ex.procs = [subprocess.Popen([sys.executable, "-c", "import os; os.abort()"]),
+                subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])]
+    try:
+        ex.procs[0].wait(30)  # rank 0 has aborted: the state the flaky CI run observed
+        ex._check_procs("take a step")  # rank 1 still alive: rank 0 is the only one gone
+    except WorkerFailedError as e:
+        assert "rank 0" in str(e) and f"code {-signal.SIGABRT}" in str(e)
+    else:
+        raise AssertionError("a dead rank went unreported")
+    ex.procs[1].kill()
+    ex.procs[1].wait(30)
+    with pytest.raises(WorkerFailedError) as e:
+        ex._check_procs("take a step")
+    msg = str(e.value)
+    assert msg.startswith("tensor-parallel rank 1 ") and f"code {-signal.SIGKILL}" in msg, msg
+    assert f"rank 0 exited with code {-signal.SIGABRT}" in msg, msg

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -190,13 +191,23 @@ class TPExecutor:
             ) from None
 
     def _check_procs(self, what: str) -> None:
-        for rank, p in enumerate(self.procs):
-            rc = p.poll()
-            if rc is not None and (rc != 0 or what != "stop"):
-                raise WorkerFailedError(
-                    f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {rc} before it "
-                    f"could {what}{self._log_tail(rank)}"
-                )
+        def exited() -> dict[int, int]:
+            return {r: rc for r, p in enumerate(self.procs)
+                    if (rc := p.poll()) is not None and (rc != 0 or what != "stop")}
+
+        if not (gone := exited()):
+            return
+        # When one rank dies its peers' collectives fail and they abort (SIGABRT) moments
+        # later, sometimes before the driver looks: wait for the dust, then blame the cause.
+        time.sleep(0.3)
+        gone = exited() or gone
+        rank = min(gone, key=lambda r: (gone[r] == -signal.SIGABRT, r))
+        others = ", ".join(f"rank {r} exited with code {rc}" for r, rc in sorted(gone.items()) if r != rank)
+        raise WorkerFailedError(
+            f"tensor-parallel rank {rank} (pid {self.procs[rank].pid}) exited with code "
+            f"{gone[rank]} before it could {what}{self._log_tail(rank)}"
+            + (f" (then {others})" if others else "")
+        )
 
     def _log_tail(self, rank: int, lines: int = 6) -> str:
         if rank >= len(self._logs):
