@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=str(STORIES))
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: the engine's sizing")
     p.add_argument("--minutes", type=float, default=2.0, help="run waves until this much time")
-    p.add_argument("--max-waves", type=int, default=10_000)
+    p.add_argument("--max-waves", type=int, default=10_000,
+                   help="stop after this many waves (50,000 requests: 167 waves of 300)")
     p.add_argument("--wave-size", type=int, default=300)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--disconnect", type=float, default=0.3)
@@ -253,9 +254,22 @@ def main(argv: list[str] | None = None) -> int:
         growth = last["rss_kib"] / base["rss_kib"] - 1
         print(f"\nRSS wave 2 -> last: {base['rss_kib'] / 1024:.1f} -> {last['rss_kib'] / 1024:.1f} "
               f"MiB ({100 * growth:+.1f} %)")
+        at10k = next((r for r in rows if r["requests"] >= 10_000), None)
+        if at10k is not None and at10k is not last:
+            g = last["rss_kib"] / at10k["rss_kib"] - 1
+            print(f"RSS request {at10k['requests']:,} -> {last['requests']:,}: "
+                  f"{at10k['rss_kib'] / 1024:.1f} -> {last['rss_kib'] / 1024:.1f} MiB "
+                  f"({100 * g:+.2f} %; target within +5 %)")
         for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
             print(f"{key}: wave 2 {base[key]:.1f} -> last {last[key]:.1f} "
-                  f"({last[key] / base[key]:.2f}x)")
+                  f"({last[key] / base[key]:.2f}x; target within 10 %)")
+        if len(rows) >= 12:  # one wave's p99 is ~100 samples: five-wave medians show the trend
+            early, late = rows[1:6], rows[-5:]
+            for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+                e = sorted(r[key] for r in early)[2]
+                la = sorted(r[key] for r in late)[2]
+                print(f"{key}: median of waves 2-6 {e:.1f} -> of the last 5 {la:.1f} "
+                      f"({la / e:.2f}x)")
     return 0
 
 

@@ -13,8 +13,10 @@ For each tokenizer it builds one model folder (the ``kvledger-tiny`` random weig
 Tokenizers: ``tiny`` = kvledger-tiny's own byte-level BPE; ``stories`` = stories260K's
 (sentencepiece-style, byte fallback), copied beside the same weights. Random weights emit byte
 soup, which each server's detokenizer handles differently, so both are measured.
+``bench-60m`` serves the issue-7 random 60M Llama (vocab 32,000) instead of the tiny weights;
+``--dtype bfloat16`` runs both servers in bf16.
 
-The load (``benchmarks.common.make_workload`` with vocab 512): token-id prompts of 32-256,
+The load (``benchmarks.common.make_workload`` over the model's vocabulary): token-id prompts of 32-256,
 ``max_tokens`` 16-64 for 90 % of requests and 256-512 for 10 %, ``ignore_eos``, greedy, streamed
 ``/v1/completions`` with ``return_token_ids`` (vLLM's extension, which kvledger implements), from
 an ``httpx`` async client keeping ``C`` requests in flight, after a short warm-up.
@@ -65,8 +67,14 @@ CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "avx512bw", "amx_bf16", "a
 
 
 def model_folder(tokenizer: str) -> Path:
-    """kvledger-tiny's weights with the chosen tokenizer, in a folder both servers load."""
+    """kvledger-tiny's weights with the chosen tokenizer, in a folder both servers load;
+    ``bench-60m``: the issue-7 random 60M Llama (8 x 512, GQA 8/2, vocab 32,000) instead."""
     from kvledger.model.tiny import default_model_path
+
+    if tokenizer == "bench-60m":
+        from benchmarks.common import build_random_llama
+
+        return build_random_llama(BENCH_OUT / "models" / "serve-bench-60m", "bench-60m")
 
     src = default_model_path()
     dst = BENCH_OUT / "models" / f"serve-tiny-{tokenizer}tok"
@@ -146,7 +154,7 @@ def kvledger_server(folder: Path, a: argparse.Namespace, log: Path, name: str = 
     port = free_port()
     cmd = [
         sys.executable, "-m", "kvledger", "serve", str(folder), "--port", str(port),
-        "--served-model-name", MODEL_NAME, "--dtype", "float32", "--block-size", "32",
+        "--served-model-name", MODEL_NAME, "--dtype", a.dtype, "--block-size", "32",
         "--kv-cache-memory", f"{a.kv_gib}GiB", "--max-model-len", str(a.max_model_len),
         "--log-level", "warning", *a.kvledger_args.split(), *VARIANTS[name].split(),
     ]  # fmt: skip
@@ -162,7 +170,7 @@ def vllm_server(folder: Path, a: argparse.Namespace, log: Path) -> Server:
     cmd = [
         str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(folder), "--served-model-name", MODEL_NAME, "--port", str(port),
-        "--host", "127.0.0.1", "--dtype", "float32", "--block-size", "32",
+        "--host", "127.0.0.1", "--dtype", a.dtype, "--block-size", "32",
         "--max-model-len", str(a.max_model_len), "--seed", "0", *a.vllm_args.split(),
     ]  # fmt: skip
     env = {
@@ -326,12 +334,13 @@ def serve_and_measure(
     startup = server.start()
     print(f"  {server.engine}: healthy after {startup:.1f} s (log {server.log_path})", flush=True)
     try:
-        warm = make_workload(n=a.warmup, seed=999, vocab_size=512, long_frac=0.0)
+        vocab = a.vocab_size
+        warm = make_workload(n=a.warmup, seed=999, vocab_size=vocab, long_frac=0.0)
         run_load(server, warm, min(a.warmup, 8))
         runs = []
         for n, c in loads:
             for rep in range(a.repeats):
-                wl = make_workload(n=n, seed=a.seed + rep, vocab_size=512)
+                wl = make_workload(n=n, seed=a.seed + rep, vocab_size=vocab)
                 prof = None
                 if a.profile and c == max(x[1] for x in loads) and rep == 0:
                     prof = start_profile(server, a, n, c, rep)
@@ -447,7 +456,11 @@ def print_table(tokenizer: str, report: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokenizers", default="tiny,stories", help="comma list of tiny, stories")
+    ap.add_argument("--tokenizers", default="tiny,stories",
+                    help="comma list of tiny, stories (kvledger-tiny's weights with that "
+                         "tokenizer) and bench-60m (the issue-7 60M model and its tokenizer)")  # fmt: skip
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights and KV dtype of both servers")
     ap.add_argument("--loads", default="32x8,256x64", help="REQUESTSxCONCURRENCY, comma list")
     ap.add_argument(
         "--engines",
@@ -494,6 +507,7 @@ def main() -> None:
     for tok in a.tokenizers.split(","):
         a.current_tokenizer = tok
         folder = model_folder(tok)
+        a.vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
         print(f"\n[{tok}] model folder {folder}", flush=True)
         report: dict[str, Any] = {}
         for e in engines:
