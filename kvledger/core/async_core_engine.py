@@ -60,21 +60,7 @@ class AsyncCoreEngine(StreamingFront):
     ) -> AsyncCoreEngine:
         """Start ``num_engines`` cores on ``config`` and load the front end's tokenizer while
         they build their engines; raises a core's start-up error (e.g. ``ConfigError``)."""
-        from kvledger.core.engine import _maybe_tokenizer
-
-        clients: list[EngineCoreClient] = []
-        try:
-            for i in range(num_engines):
-                clients.append(EngineCoreClient(config, i, torch_threads))
-            with ThreadPoolExecutor(1) as pool:  # forked first: no thread exists at fork time
-                tok = pool.submit(_maybe_tokenizer, str(config.tokenizer or config.model))
-                for c in clients:
-                    c.wait_ready()
-                tokenizer = tok.result()
-        except BaseException:
-            for c in clients:
-                c.close()
-            raise
+        clients, tokenizer = start_cores([config] * num_engines, torch_threads)
         return cls(clients, tokenizer, observer)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -196,3 +182,23 @@ class AsyncCoreEngine(StreamingFront):
                 self._streams.pop(rid, None)
                 self._release(rid)
                 stream._fail(error)
+
+
+def start_cores(configs: list[Any], torch_threads: int | None) -> tuple[list[EngineCoreClient], Any]:
+    """One engine core per config (core i gets index i), and the front end's tokenizer loaded
+    while they build their engines; on any failure every core started so far is closed."""
+    from kvledger.core.engine import _maybe_tokenizer
+
+    clients: list[EngineCoreClient] = []
+    try:
+        for i, config in enumerate(configs):
+            clients.append(EngineCoreClient(config, i, torch_threads))
+        with ThreadPoolExecutor(1) as pool:  # forked first: no thread exists at fork time
+            tok = pool.submit(_maybe_tokenizer, str(configs[0].tokenizer or configs[0].model))
+            for c in clients:
+                c.wait_ready()
+            return clients, tok.result()
+    except BaseException:
+        for c in clients:
+            c.close()
+        raise

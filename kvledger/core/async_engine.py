@@ -329,18 +329,7 @@ class AsyncEngine(StreamingFront):
     def _resolve(
         self, fut: asyncio.Future | None, result: Any, error: BaseException | None
     ) -> None:
-        if fut is None:
-            return
-
-        def set_() -> None:
-            if fut.done():
-                return
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(result)
-
-        self._post(set_)
+        resolve_threadsafe(self._loop, fut, result, error)
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         for out in outs:
@@ -352,3 +341,24 @@ class AsyncEngine(StreamingFront):
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream._fail(error)
+
+
+def resolve_threadsafe(loop: asyncio.AbstractEventLoop | None, fut: asyncio.Future | None,
+                       result: Any, error: BaseException | None) -> None:
+    """Settle ``fut`` (unless already done) on its event loop, from any thread; nothing
+    when there is no future or the loop is gone."""
+    if fut is None or loop is None or loop.is_closed():
+        return
+
+    def set_() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(set_)
+    except RuntimeError:  # the loop closed meanwhile
+        pass

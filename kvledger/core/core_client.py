@@ -34,6 +34,7 @@ from typing import Any
 import zmq
 
 from kvledger.core import core_protocol as wire
+from kvledger.core.async_engine import resolve_threadsafe
 from kvledger.core.core_proc import run_engine_core
 from kvledger.core.engine_info import EngineInfo
 from kvledger.errors import EngineDeadError, KVLedgerError
@@ -241,17 +242,4 @@ class EngineCoreClient:
     def _resolve(
         self, fut: asyncio.Future | None, result: Any, error: BaseException | None
     ) -> None:
-        loop = self._loop
-        if fut is None or loop is None or loop.is_closed():
-            return
-
-        def set_() -> None:
-            if fut.done():
-                return
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(result)
-
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(set_)
+        resolve_threadsafe(self._loop, fut, result, error)

@@ -17,7 +17,7 @@ import tempfile
 from typing import Any
 
 from kvledger.cache.kv_events import KVEventsConfig
-from kvledger.core.async_core_engine import AsyncCoreEngine
+from kvledger.core.async_core_engine import AsyncCoreEngine, start_cores
 from kvledger.core.core_client import EngineCoreClient
 from kvledger.errors import ConfigError, EngineDeadError
 from kvledger.router.policy import NoReplicaError, Router
@@ -90,29 +90,14 @@ class DataParallelEngine(AsyncCoreEngine):
         torch_threads: int | None = None,
         observer: Any = None,
     ) -> DataParallelEngine:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from kvledger.core.engine import _maybe_tokenizer
-
         if num_engines < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, got {num_engines}")
         private = tempfile.mkdtemp(prefix="kvledger-dp-") if routing == "cache_aware" else None
         events = [rank_events_config(config.kv_events_config, r, private) for r in range(num_engines)]
         router = Router(num_engines, routing, config.cache.block_size, config.cache.prefix_caching_hash_algo)
-        clients: list[EngineCoreClient] = []
-        try:
-            for r in range(num_engines):
-                cfg = dataclasses.replace(config, kv_events_config=events[r], data_parallel_rank=r)
-                clients.append(EngineCoreClient(cfg, r, torch_threads))
-            with ThreadPoolExecutor(1) as pool:
-                tok = pool.submit(_maybe_tokenizer, str(config.tokenizer or config.model))
-                for c in clients:
-                    c.wait_ready()
-                tokenizer = tok.result()
-        except BaseException:
-            for c in clients:
-                c.close()
-            raise
+        configs = [dataclasses.replace(config, kv_events_config=events[r], data_parallel_rank=r)
+                   for r in range(num_engines)]
+        clients, tokenizer = start_cores(configs, torch_threads)
         return cls(clients, tokenizer, router, events, observer)
 
     # -- lifecycle
