@@ -8,6 +8,7 @@ accepted (appended) tokens. n > 1 children fork the parent's matcher before any 
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -46,17 +47,44 @@ class GrammarState:
         return m.is_terminated()
 
 
-class MaskBuffer:
-    """The step's packed bitmask, filled on the main thread into a buffer kept across steps.
+# KVLEDGER_MASK_THREADS=n: at most n threads for the step's grammar-mask work (the batched
+# fill and the greedy rows' fused masked argmax); default: torch's intra-op thread count, read
+# at each step. 1 keeps it all on the calling thread (the serial path, for comparison).
+MASK_THREADS_ENV = "KVLEDGER_MASK_THREADS"
+# xgrammar's batched fill starts its threads at each call (tens of us): worth it only when each
+# thread gets a few rows of ~20-40 us.
+MIN_ROWS_PER_THREAD = 4
 
-    Not in a helper thread overlapping the forward pass: xgrammar 0.2.9's
-    fill_next_token_bitmask holds the GIL (measured: a Python loop beside a filling thread
-    slows by the whole fill time), so a helper only adds GIL hand-offs (up to the 5 ms switch
-    interval each) to the step, while the fill itself is ~20 us per row.
+
+def mask_threads() -> int:
+    """Threads for the step's mask work: KVLEDGER_MASK_THREADS, else torch's intra-op count."""
+    env = os.environ.get(MASK_THREADS_ENV, "")
+    return max(1, int(env)) if env else torch.get_num_threads()
+
+
+class MaskBuffer:
+    """The step's packed bitmask, filled into a buffer kept across steps.
+
+    xgrammar rows are filled in one call of xgrammar's BatchGrammarMatcher, which splits them
+    over up to ``threads`` C++ threads (torch's intra-op thread count unless told otherwise:
+    the forward pass uses every core, so a serial fill's share of the step grows with the
+    thread count); llguidance rows keep their own per-row fill. Both write only their own rows
+    of the same buffer, so the mask does not depend on the thread count or the mix.
+
+    Not in a helper thread overlapping the forward pass: xgrammar 0.2.9's fills hold the GIL
+    (measured: a Python loop beside a filling thread slows by the whole fill time), so a helper
+    only adds GIL hand-offs (up to the 5 ms switch interval each) to the step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
         self._buf: torch.Tensor | None = None
+        self.threads = threads  # None: mask_threads() at each fill
+        self._batch: dict[int, object] = {}  # thread count -> xgrammar.BatchGrammarMatcher
+
+    def fill_threads(self, num_rows: int) -> int:
+        """Threads for a batched fill of ``num_rows`` xgrammar rows."""
+        want = self.threads if self.threads is not None else mask_threads()
+        return max(1, min(want, num_rows // MIN_ROWS_PER_THREAD))
 
     def fill(self, owners: list) -> tuple[torch.Tensor, list[int]] | None:
         """One row per sampled request (``owners``, in sampling order); None: none constrained."""
@@ -74,14 +102,29 @@ class MaskBuffer:
         if buf is None or buf.shape[0] < len(states) or buf.shape[1] != words:
             buf = self._buf = xgr.allocate_token_bitmask(max(len(states), 16), vocab)
         mask = buf[: len(states)]
+        xrows, xmatchers = [], []
         for i in rows:
-            states[i].matcher.fill_next_token_bitmask(mask, i)
+            m = states[i].matcher
+            if isinstance(m, xgr.GrammarMatcher):
+                xrows.append(i)
+                xmatchers.append(m)
+            else:  # llguidance
+                m.fill_next_token_bitmask(mask, i)
+        if len(xrows) == 1:
+            xmatchers[0].fill_next_token_bitmask(mask, xrows[0])
+        elif xrows:
+            n = self.fill_threads(len(xrows))
+            batch = self._batch.get(n)
+            if batch is None:
+                batch = self._batch[n] = xgr.BatchGrammarMatcher(max_threads=n)
+            batch.batch_fill_next_token_bitmask(xmatchers, mask, xrows)
         return mask, rows
 
 
 def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
     """One packed bitmask [rows, ceil(vocab/32)] int32 for ``states``, and its constrained rows
-    (rows without a grammar are not listed: the application leaves them unmasked)."""
+    (rows without a grammar are not listed: the application leaves them unmasked). One row at
+    a time on the calling thread: the reference MaskBuffer.fill's batched fill must equal."""
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
         return None
