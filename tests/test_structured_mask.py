@@ -87,6 +87,21 @@ def test_greedy_shortcut_samples_what_the_full_mask_does(monkeypatch):
             assert disallowed_rows(mask, rows, torch.tensor(got)) == []
 
 
+@pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_masked_argmax_kernel_rows_over_threads(threads):
+    """Enough rows and logits for the kernel's OpenMP split: the same tokens as the reference."""
+    gen = torch.Generator().manual_seed(2)
+    rows, vocab = 19, 32000
+    logits = torch.randn(rows, vocab, generator=gen)
+    logits[3] = logits[3].round()  # ties
+    logits[7, ::2] = float("-inf")
+    for density in (1e-3, 0.3, 1.0):
+        mask = _random_mask(gen, rows, vocab, density)
+        pick = [0, 1, 2, 3, 5, 7, 8, 11, 12, 13, 17, 18]
+        assert torch.equal(native.masked_argmax(logits, mask, pick, threads), _reference(logits, mask, pick))
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, None])
 def test_batched_fill_equals_per_row_fill(stories_path, threads):
     """The engine's fill (xgrammar rows in one BatchGrammarMatcher call over ``threads``

@@ -185,7 +185,7 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.kvl_silu_mul, lib.kvl_silu_mul_bf16):
         fn.argtypes = [ptr, ptr, i64, i64, c_int]
     lib.kvl_quantize_write.argtypes = [ptr, ptr, i64, c_int, ptr, i64, i64, i64, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
-    lib.kvl_masked_argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr]
+    lib.kvl_masked_argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, c_int]
     lib.kvl_masked_argmax.restype = c_int
     for fn in (lib.kvl_small_gemm, lib.kvl_small_gemm_bf16, lib.kvl_paged_decode, lib.kvl_rope_inplace,
                lib.kvl_rope_inplace_bf16, lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul,
@@ -210,9 +210,12 @@ def _bf16(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16
 
 
-def masked_argmax(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+def masked_argmax(
+    logits: torch.Tensor, mask: torch.Tensor, rows: list[int], threads: int | None = None
+) -> torch.Tensor | None:
     """Per row of ``rows``: the argmax of a float32 logits row over the tokens the packed int32
-    grammar bitmask allows (csrc/grammar_mask.c); None where the kernels do not run here."""
+    grammar bitmask allows (csrc/grammar_mask.c), rows spread over ``threads`` OpenMP threads
+    (default: torch's intra-op count); None where the kernels do not run here."""
     lib = library()
     if lib is None or logits.dtype != torch.float32 or logits.stride(1) != 1 or mask.stride(1) != 1:
         return None
@@ -221,7 +224,7 @@ def masked_argmax(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> 
     _check(
         lib.kvl_masked_argmax(
             logits.data_ptr(), logits.stride(0), logits.shape[1], mask.data_ptr(), mask.stride(0),
-            mask.shape[1], idx.data_ptr(), len(rows), out.data_ptr(),
+            mask.shape[1], idx.data_ptr(), len(rows), out.data_ptr(), threads or torch.get_num_threads(),
         ),
         "masked_argmax",
     )

@@ -19,7 +19,7 @@ from kvledger.logprobs import Logprob
 from kvledger.model import native
 from kvledger.model.logits_processor import needs_processing, process_logits
 from kvledger.sampling_params import SamplingParams
-from kvledger.structured.state import apply_bitmask, disallowed_rows
+from kvledger.structured.state import apply_bitmask, disallowed_rows, mask_threads
 
 
 @dataclass
@@ -90,7 +90,7 @@ def sample(
         # after them equals masking before.
         bad = disallowed_rows(mask, lazy, tokens)
         if bad:
-            fixed = native.masked_argmax(logits, mask, bad)  # one pass, all-zero words skipped
+            fixed = native.masked_argmax(logits, mask, bad, mask_threads())  # all-zero words skipped
             if fixed is None:
                 apply_bitmask(logits, (mask, bad))
                 fixed = logits[bad].argmax(dim=-1)

@@ -7,13 +7,23 @@
  * xgrammar's apply_token_bitmask_inplace leaves them. Equal to
  * logits.masked_fill(~allowed, -inf).argmax(): the first index of the largest allowed value,
  * index 0 when every allowed value is -inf.
+ *
+ * Rows are independent: with two or more of them and enough logits they are spread over
+ * OpenMP threads (the intra-op pool's size, as for the other kernels), one row per iteration,
+ * each writing only its own out[k], so the result does not depend on the thread count.
  */
+#include <omp.h>
 #include <stdint.h>
+
+/* Below this many logits in all, threads cost more than they save (a row of a 32k vocabulary
+ * takes ~10-20 us; waking the pool a few). */
+#define PAR_MIN_LOGITS (1 << 16)
 
 int kvl_masked_argmax(const float *logits, int64_t logits_stride, int64_t vocab,
                       const int32_t *mask, int64_t mask_stride, int64_t mask_words,
-                      const int64_t *rows, int64_t nrows, int64_t *out) {
+                      const int64_t *rows, int64_t nrows, int64_t *out, int num_threads) {
     if (vocab <= 0 || mask_words < 0 || nrows < 0) return -1;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (nrows > 1 && nrows * vocab >= PAR_MIN_LOGITS)
     for (int64_t k = 0; k < nrows; k++) {
         const float *x = logits + rows[k] * logits_stride;
         const uint32_t *m = (const uint32_t *)(mask + rows[k] * mask_stride);
