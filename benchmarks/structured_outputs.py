@@ -1,11 +1,14 @@
 """Structured outputs: the grammar mask's cost per token, constrained vs unconstrained decoding
 end to end, and the step times while new grammars compile in the background.
 
-    python -m benchmarks.structured_outputs [--steps 200] [--e2e-tokens 64]
+    python -m benchmarks.structured_outputs [--steps 200] [--e2e-tokens 64] [--parts 1,2,3]
+        [--torch-threads 1]
 
-1. Mask cost: one packed bitmask per step (xgrammar's fill), then either xgrammar's apply on
+1. Mask cost: one packed bitmask per step (xgrammar's per-row fill; beside it the engine's
+   batched fill, xgrammar's BatchGrammarMatcher with 1 and 2 threads), then either xgrammar's apply on
    the logits (what rows that sample or want logprobs get) or the greedy rows' path (check the
-   argmax's bit; the native fused masked argmax for the rows the grammar forbids), for batch
+   argmax's bit; the native fused masked argmax for the rows the grammar forbids, with 1 and 2
+   OpenMP threads), for batch
    1/16/64 and a 32k and a 128k vocabulary (a RAW vocabulary of printable characters and
    multi-character pieces), each matcher following a JSON-schema grammar with random logits;
    per token = step time / batch. Printed beside the plain argmax over the same logits (what
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import string
@@ -66,14 +70,23 @@ def bench_mask(steps: int) -> None:
     import xgrammar as xgr
 
     from kvledger.model import native
-    from kvledger.structured.state import GrammarState, apply_bitmask, disallowed_rows, fill_bitmask
+    from kvledger.structured.state import (
+        GrammarState,
+        MaskBuffer,
+        apply_bitmask,
+        disallowed_rows,
+        fill_bitmask,
+    )
 
     print("\n## 1. mask cost per token (one packed bitmask per step)")
-    print("fill: xgrammar fills each row; apply: xgrammar's CPU apply (rows that sample or want")
-    print("logprobs); greedy: the greedy rows' path = check the argmax's bit, fused masked argmax")
-    print("(native kernel) for the rows it forbids; argmax: the unconstrained greedy step's own work")
-    print(f"{'vocab':>7} {'batch':>5} {'fill':>7} {'apply':>7} {'greedy':>7} {'argmax':>7} "
-          f"{'(fill+apply)/argmax':>20} {'(fill+greedy)/argmax':>21} {'forbidden':>9}")
+    print("fill: xgrammar fills each row (one Python call per row); fill b1 / b2: the engine's fill,")
+    print("xgrammar's BatchGrammarMatcher with 1 / 2 threads (same bits, checked); apply: xgrammar's")
+    print("CPU apply (rows that sample or want logprobs); greedy / greedy t2: the greedy rows' path =")
+    print("check the argmax's bit, fused masked argmax (native kernel, 1 / 2 OpenMP threads) for the")
+    print("rows it forbids; argmax: the unconstrained greedy step's own work")
+    print(f"{'vocab':>7} {'batch':>5} {'fill':>7} {'fill b1':>7} {'fill b2':>7} {'apply':>7} {'greedy':>7} "
+          f"{'greedy t2':>9} {'argmax':>7} {'(fill+apply)/argmax':>20} {'(fill+greedy)/argmax':>21} "
+          f"{'(b2+greedy t2)/argmax':>22} {'forbidden':>9}")
     for vocab_size in (32000, 128000):
         vocab = synthetic_vocab(vocab_size)
         info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[2])
@@ -86,8 +99,10 @@ def bench_mask(steps: int) -> None:
             states = [GrammarState(fut) for _ in range(batch)]
             for s in states:
                 s.start()
+            owners = [type("Owner", (), {"grammar": s})() for s in states]
+            batched = {1: MaskBuffer(threads=1), 2: MaskBuffer(threads=2)}
             gen = torch.Generator().manual_seed(0)
-            t_fill = t_apply = t_greedy = t_argmax = 0.0
+            t_fill = t_apply = t_greedy = t_argmax = t_b1 = t_b2 = t_greedy2 = 0.0
             forbidden = 0
             rows = list(range(batch))
             for _ in range(steps):
@@ -98,23 +113,39 @@ def bench_mask(steps: int) -> None:
                 bm = fill_bitmask(states, vocab_size)
                 t2 = time.perf_counter()
                 bad = disallowed_rows(bm[0], rows, tokens)
-                if bad:
-                    tokens[bad] = native.masked_argmax(logits, bm[0], bad)
+                fixed = native.masked_argmax(logits, bm[0], bad, 1) if bad else None
                 t3 = time.perf_counter()
-                apply_bitmask(logits, bm)
+                bad2 = disallowed_rows(bm[0], rows, tokens)
+                fixed2 = native.masked_argmax(logits, bm[0], bad2, 2) if bad2 else None
                 t4 = time.perf_counter()
+                b1 = batched[1].fill(owners)
+                t5 = time.perf_counter()
+                b2 = batched[2].fill(owners)
+                t6 = time.perf_counter()
+                # The engine's fills and the 2-thread kernel give exactly what the serial ones do.
+                assert torch.equal(b1[0], bm[0]) and torch.equal(b2[0], bm[0]) and b1[1] == b2[1] == bm[1]
+                assert bad == bad2 and (fixed is None or torch.equal(fixed, fixed2))
+                if bad:
+                    tokens[bad] = fixed
+                t7 = time.perf_counter()
+                apply_bitmask(logits, bm)
+                t8 = time.perf_counter()
                 t_argmax += t1 - t0
                 t_fill += t2 - t1
                 t_greedy += t3 - t2
-                t_apply += t4 - t3
+                t_greedy2 += t4 - t3
+                t_b1 += t5 - t4
+                t_b2 += t6 - t5
+                t_apply += t8 - t7
                 forbidden += len(bad)
                 for s, t in zip(states, tokens.tolist()):
                     if s.accept(t):
                         s.matcher.reset()
             per = 1e6 / (steps * batch)
-            print(f"{vocab_size:>7} {batch:>5} {t_fill * per:>7.1f} {t_apply * per:>7.1f} {t_greedy * per:>7.1f} "
-                  f"{t_argmax * per:>7.1f} {(t_fill + t_apply) / t_argmax:>20.2f} "
-                  f"{(t_fill + t_greedy) / t_argmax:>21.2f} {forbidden / (steps * batch):>9.0%}")
+            print(f"{vocab_size:>7} {batch:>5} {t_fill * per:>7.1f} {t_b1 * per:>7.1f} {t_b2 * per:>7.1f} "
+                  f"{t_apply * per:>7.1f} {t_greedy * per:>7.1f} {t_greedy2 * per:>9.1f} {t_argmax * per:>7.1f} "
+                  f"{(t_fill + t_apply) / t_argmax:>20.2f} {(t_fill + t_greedy) / t_argmax:>21.2f} "
+                  f"{(t_b2 + t_greedy2) / t_argmax:>22.2f} {forbidden / (steps * batch):>9.0%}")
     print("(us per token; 'forbidden': share of rows whose unmasked argmax the grammar forbids)")
 
 
@@ -209,18 +240,27 @@ def main() -> None:
     ap.add_argument("--e2e-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--e2e-presets", default="bench-30m", help="comma-separated model presets for part 2")
+    ap.add_argument("--parts", default="1,2,3", help="comma-separated parts to run (1: mask cost, 2: end to "
+                    "end, 3: compile trace)")
+    ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (the engine's mask "
+                    "work uses as many, unless KVLEDGER_MASK_THREADS says otherwise)")
     args = ap.parse_args()
+    parts = {int(p) for p in args.parts.split(",")}
     from benchmarks.common import print_header
 
     print_header("structured outputs: mask cost, constrained vs unconstrained, compile off the loop")
     import torch
 
-    torch.set_num_threads(1)
-    bench_mask(args.steps)
-    for preset in args.e2e_presets.split(","):
+    torch.set_num_threads(args.torch_threads)
+    print(f"torch threads {torch.get_num_threads()}; KVLEDGER_MASK_THREADS="
+          f"{os.environ.get('KVLEDGER_MASK_THREADS', '(unset: the torch thread count)')}")
+    if 1 in parts:
+        bench_mask(args.steps)
+    for preset in args.e2e_presets.split(",") if 2 in parts else []:
         tag = preset.removeprefix("bench-")
         bench_e2e(build_model(BENCH_OUT / "models" / f"structured-{tag}", preset), args.e2e_tokens, args.rounds, preset)
-    bench_compile_trace(build_model(BENCH_OUT / "models" / "structured-30m"))
+    if 3 in parts:
+        bench_compile_trace(build_model(BENCH_OUT / "models" / "structured-30m"))
 
 
 if __name__ == "__main__":
