@@ -1,8 +1,10 @@
 """Tensor parallelism (kvledger/distributed): tp=2 over gloo must give the very tokens tp=1 gives
 (float32 greedy), through prefix-cache hits, n > 1 copy-on-write, and swap and recompute
-preemption, on a GQA model with 2 KV heads (one per rank) and an MQA model (its one KV head
-replicated on both ranks); the ledger reports each rank's real pools; start-up refuses degrees
-the model cannot be split by; and a rank that hangs fails the engine's requests in bounded time.
+preemption, on a GQA model with 2 KV heads (one per rank), an MQA model (its one KV head
+replicated on both ranks), mixture-of-experts models (Mixtral, Qwen3-MoE) and a hybrid
+sliding-window model (Gemma 3's KV cache groups); the ledger reports each rank's real pools;
+start-up refuses degrees the model cannot be split by; and a rank that hangs fails the engine's
+requests in bounded time.
 
 Spawning ranks costs seconds on 2 cores, so each model's engines are built once per module.
 """
@@ -126,6 +128,49 @@ def test_quantised_kv_with_sinks_and_window_matches_tp1(tmp_path):
         assert b.preemptions == a.preemptions
     finally:
         tp2.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "gemma3"])
+def test_moe_and_hybrid_models_tp2_match_tp1(kind, tmp_path, capsys):
+    """Mixture of experts (Mixtral: every layer sparse; Qwen3-MoE: a sparse layer of expert width
+    24 then a dense one of width 48): each expert's gate/up split by columns and down by rows,
+    the router replicated, one all-reduce after the expert sum. Gemma 3 (hybrid: a full-attention
+    KV cache group and two sliding ones over one pool): every rank's pool holds its KV heads of
+    the same blocks, each layer reading its group's tables from the plan. Same tokens, same
+    scheduling, and each rank's real block the size `kvledger plan --tp 2` gives."""
+    import json
+
+    from kvledger.cli import main
+
+    build_hf_model(tiny_config(kind), tmp_path)
+    tp1 = LLM(str(tmp_path), **ENGINE)
+    tp2 = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert run(tp2) == run(tp1), kind
+        a, b = tp1.ledger(), tp2.ledger()
+        assert b.prefix_cache_hits == a.prefix_cache_hits > 0
+        assert b.cow_copies == a.cow_copies > 0
+        assert b.preemptions == a.preemptions and sum(b.preemptions.values()) > 0
+        assert tp2.llm_engine.kv_layout.is_hybrid == (kind == "gemma3")
+        assert main(["plan", "--model", str(tmp_path), "--tp", "2", "--block-size", str(BS),
+                     "--device-memory", "1GiB", "--json"]) == 0
+        per_rank = json.loads(capsys.readouterr().out)["bytes_per_block"]
+        assert b.bytes_per_block == per_rank
+        assert [r["bytes_per_block"] for r in b.ranks] == [per_rank, per_rank]
+        assert [r["kv_heads"] for r in b.ranks] == [1, 1]
+        assert b.model_bytes_per_block == a.bytes_per_block  # 2 KV heads split over 2 ranks
+    finally:
+        tp2.llm_engine.shutdown()
+
+
+def test_expert_width_tp_cannot_divide_is_refused(tmp_path):
+    """A Qwen3-MoE whose experts are 25 wide: the heads split over 2 ranks, the experts cannot;
+    refused at start-up (no rank started) with the reason."""
+    cfg = tiny_config("qwen3_moe")
+    cfg.moe_intermediate_size = 25
+    build_hf_model(cfg, tmp_path)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 does not divide .* expert MLP width 25"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
 
 
 def test_start_up_refuses_what_cannot_be_split(pair, monkeypatch):

@@ -112,9 +112,9 @@ class LLMEngine:
                 "sliding-window or soft-capped attention; use kv_cache_dtype auto"
             )
         if self.tp > 1:
-            from kvledger.distributed.sharding import check_tensor_parallel
+            from kvledger.distributed.sharding import check_tensor_parallel, tp_mlp_widths
 
-            check_tensor_parallel(self.spec, self.tp, mc.intermediate_size, mc.num_experts)
+            check_tensor_parallel(self.spec, self.tp, *tp_mlp_widths(mc))
             _check_devices(self.tp, self.device, config.distributed_executor_backend or "mp")
         # Per rank under tensor parallelism: each rank's pool holds its own KV heads.
         kv_bytes = kv_bytes_per_token(self.spec, kv_dtype, self.tp)
@@ -125,12 +125,7 @@ class LLMEngine:
         if sc.disable_hybrid_kv_cache_manager and self.spec.uniform_window is None:
             windows = [None] * len(windows)  # every layer allocated as full attention (vLLM's)
         self.kv_layout = kv_cache_layout(windows)
-        if self.kv_layout.is_hybrid:
-            if self.tp > 1:
-                raise ConfigError(
-                    f"tensor parallelism for hybrid sliding-window models ({mc.architecture}: KV "
-                    "cache groups) is not implemented; use tensor_parallel_size=1"
-                )
+        if self.kv_layout.is_hybrid:  # (under TP each rank's pool holds its heads of them)
             self.bytes_per_token = kv_bytes.total // self.spec.num_layers * self.kv_layout.group_size
         self.scale_bytes_per_token = kv_bytes.scale_bytes
         bytes_per_block = self.bytes_per_token * cc.block_size
@@ -240,6 +235,9 @@ class LLMEngine:
             dist_backend="nccl" if self.device.type == "cuda" else "gloo",
             collective_timeout_s=config.tp_step_timeout,
         )
+        if self.kv_layout.is_hybrid:  # KV cache groups: a block holds group_size layers
+            spec.layer_group = self.kv_layout.layer_group
+            spec.layer_slot = self.kv_layout.layer_slot
         self.executor = TPExecutor(
             spec, self.tp, backend, config.tp_driver_address, step_timeout_s=config.tp_step_timeout
         )
@@ -255,6 +253,8 @@ class LLMEngine:
                 )
         self.runner = ModelRunner(None, None, None, cc.block_size, self.device, seed=config.seed)
         self.runner.executor = self.executor
+        if self.kv_layout.is_hybrid:  # each group's tables and slots travel in the StepPlan
+            self.runner.layer_group = self.kv_layout.layer_group
         if overlay_slots:  # quantised KV's overlay: bookkeeping here, rows on the ranks
             from kvledger.distributed.overlay_proxy import RemoteOverlayPool
             from kvledger.model.kv_overlay import OverlaySlots

@@ -223,6 +223,11 @@ class ModelRunner:
             )
             if m.rope_seq_lens is not None:  # LongRoPE: the table follows each sequence's length
                 plan.rope_seq_lens = m.rope_seq_lens.numpy()
+            if m.per_layer is not None:  # hybrid: each further group's view, in group order
+                groups = [m.per_layer[self.layer_group.index(g)]
+                          for g in range(1, len(self.block_tables))]
+                plan.group_block_tables = [g.block_tables.numpy() for g in groups]
+                plan.group_slot_mappings = [g.slot_mapping.numpy() for g in groups]
             if m.overlay_slots is not None:
                 plan.overlay_slots = m.overlay_slots
                 plan.overlay_sink_from = m.overlay_sink_from

@@ -29,6 +29,10 @@ class WorkerSpec:
     num_threads: int
     dist_backend: str  # "gloo" on CPU, "nccl" on CUDA
     collective_timeout_s: float
+    # Hybrid models (KV cache groups, kvledger.cache.kv_cache_groups): each model layer's group
+    # and pool tensor; the pool then has max(layer_slot) + 1 tensors. None: one tensor per layer.
+    layer_group: tuple[int, ...] | None = None
+    layer_slot: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -71,6 +75,10 @@ class StepPlan:
     overlay_sink_from: list[int] | None = None
     overlay_window_from: list[int] | None = None
     overlay_ops: list = field(default_factory=list)
+    # Hybrid models: the block tables and slot mapping of KV cache groups 1.. (group 0's are
+    # above); None when every layer reads group 0's (AttentionMetadata.per_layer is None).
+    group_block_tables: list[np.ndarray] | None = None
+    group_slot_mappings: list[np.ndarray] | None = None
 
 
 @dataclass

@@ -8,6 +8,11 @@ Each rank keeps 1/N of the attention heads and of the MLP's intermediate width:
 - ``o_proj`` and ``down_proj`` are row-parallel: their partial sums are all-reduced
   (``RowParallelLinear``; the bias is added once, by rank 0);
 - ``gate_up_proj`` is column-parallel (the rank's gate rows and up rows);
+- a mixture-of-experts MLP (Mixtral, Qwen3-MoE) is split the same way inside every expert, as
+  vLLM does without expert parallelism: each expert's gate and up rows column-parallel (1/N of
+  the expert's intermediate width), its down projection row-parallel, the router replicated
+  (every rank routes every token to the same experts, on the same all-reduced input), and one
+  all-reduce after the weighted sum over the experts (``ParallelSparseMoE``);
 - the embedding is vocabulary-parallel (each rank looks up its slice of rows, zero elsewhere,
   then all-reduce) and so is the LM head (each rank computes its slice of the logits, then
   all-gather); a vocabulary that N does not divide is padded with zero rows on the last rank.
@@ -27,11 +32,15 @@ from kvledger.errors import ConfigError
 from kvledger.ledger.accounting import ModelSpec
 from kvledger.model.layers import GatedMLP, Linear
 from kvledger.model.llama import LlamaForCausalLM, ModelConfig
+from kvledger.model.moe import SparseMoE
 
 
 def check_tensor_parallel(spec: ModelSpec, tp: int, intermediate_size: int | None = None,
-                          num_experts: int = 0) -> None:
-    """Refuse a degree the model cannot be split by, with the reason (before anything starts)."""
+                          moe_intermediate_size: int | None = None) -> None:
+    """Refuse a degree the model cannot be split by, with the reason (before anything starts).
+
+    ``intermediate_size``: the dense MLP's width (None: no dense layer); ``moe_intermediate_size``:
+    each expert's width (None: no mixture-of-experts layer)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
     if tp == 1:
@@ -50,11 +59,22 @@ def check_tensor_parallel(spec: ModelSpec, tp: int, intermediate_size: int | Non
         raise ConfigError(
             f"tensor_parallel_size={tp} does not divide {spec.name}'s MLP width {intermediate_size}"
         )
-    if num_experts:
+    if moe_intermediate_size is not None and moe_intermediate_size % tp:
         raise ConfigError(
-            "tensor parallelism for mixture-of-experts models (Mixtral, Qwen3-MoE) is not "
-            "implemented; use tensor_parallel_size=1"
+            f"tensor_parallel_size={tp} does not divide {spec.name}'s expert MLP width "
+            f"{moe_intermediate_size} (each expert's gate/up/down are split over the ranks)"
         )
+
+
+def tp_mlp_widths(cfg: ModelConfig) -> tuple[int | None, int | None]:
+    """(dense MLP width, expert width) that tensor parallelism splits; None where no layer has
+    that kind of MLP (a Mixtral has no dense layer, a Qwen3-MoE may have some)."""
+    layers = range(cfg.num_layers)
+    dense = cfg.intermediate_size if any(not cfg.is_moe(i) for i in layers) else None
+    moe = None
+    if any(cfg.is_moe(i) for i in layers):
+        moe = cfg.moe_intermediate_size or cfg.intermediate_size
+    return dense, moe
 
 
 def kv_head_range(rank: int, num_kv_heads: int, tp: int) -> tuple[int, int]:
@@ -67,6 +87,14 @@ def kv_head_range(rank: int, num_kv_heads: int, tp: int) -> tuple[int, int]:
 
 class RowParallelLinear(Linear):
     """x_r W_r^T summed over ranks: the input is already split by columns (heads, MLP width)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(super().forward(x))
+
+
+class ParallelSparseMoE(SparseMoE):
+    """A rank's slice of every expert (see ``shard_moe``): its output is a partial sum over the
+    experts' intermediate width, completed by one all-reduce after the sum over the experts."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(super().forward(x))
@@ -120,6 +148,22 @@ def _rows(t: torch.Tensor, start: int, n: int, padded: int) -> torch.Tensor:
     return torch.cat([part, pad])
 
 
+def shard_moe(moe: SparseMoE, rank: int, tp: int) -> None:
+    """Columns [rank * I/N, (rank + 1) * I/N) of every expert's intermediate width: its gate and
+    up rows (column-parallel) and the matching columns of its down projection (row-parallel).
+    The router (``gate``) is kept whole on every rank."""
+    E, H, n = moe.num_experts, moe.hidden_size, moe.intermediate_size
+    i = n // tp
+    mine = slice(rank * i, (rank + 1) * i)
+    gu = moe.w_gate_up.view(E, 2 * n, H)
+    gate_up = torch.cat([gu[:, :n][:, mine], gu[:, n:][:, mine]], dim=1)  # [E, 2 i, H]
+    moe.w_gate_up = _own(gate_up.reshape(E * 2 * i, H))
+    down = moe.w_down.view(E, H, n)[:, :, mine]  # [E, H, i]
+    moe.w_down = _own(down.reshape(E * H, i))
+    moe.intermediate_size = i
+    moe.__class__ = ParallelSparseMoE  # same state, plus the all-reduce after the expert sum
+
+
 def shard_model(model: LlamaForCausalLM, rank: int, tp: int) -> None:
     """Cut the (unpacked) model down to rank ``rank``'s share, in place."""
     cfg: ModelConfig = model.config
@@ -142,8 +186,11 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int) -> None:
         a.num_heads, a.num_kv_heads = h, kn
         a.q_size, a.kv_size = h * D, kn * D
         mlp = layer.mlp
+        if isinstance(mlp, SparseMoE):
+            shard_moe(mlp, rank, tp)
+            continue
         if not isinstance(mlp, GatedMLP):
-            raise ConfigError("tensor parallelism needs a dense MLP in every layer")
+            raise ConfigError(f"tensor parallelism cannot split a {type(mlp).__name__} MLP")
         n = mlp.intermediate_size
         i = n // tp
         mine = slice(rank * i, (rank + 1) * i)

@@ -3,7 +3,8 @@
 A worker connects to its driver, receives a ``WorkerSpec``, joins the torch.distributed group
 (rank and world from ``RANK`` / ``WORLD_SIZE``, rendezvous at ``MASTER_ADDR`` /
 ``MASTER_PORT``, as torchrun sets them), loads and shards the model, builds its pools (same
-block count as every other rank, its own KV heads) and reports ``WorkerReady``. Then, per
+block count as every other rank, its own KV heads; for a hybrid model one tensor per layer of a
+KV cache group, each layer reading its group's tables from the plan) and reports ``WorkerReady``. Then, per
 ``StepPlan``: swap-out, copy-on-write and swap-in on its own pools (each rank moves its own
 heads' blocks), one forward pass, and the logits rows; rank 0 sends them back, the other ranks
 an empty ``StepResult`` (so the driver hears from every rank each step).
@@ -13,6 +14,7 @@ It holds no scheduler, block manager or request state: everything it needs is in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -64,8 +66,12 @@ class Worker:
             model.attn_backend = TritonAttentionBackend()
         self.model = model
         attn = model.model.layers[0].self_attn
+        # Hybrid models: a block holds one KV cache group's layers (group_size pool tensors),
+        # and layer i reads tensor layer_slot[i] through its group's block tables.
+        self.layer_group = spec.layer_group
+        num_tensors = len(model.model.layers) if spec.layer_slot is None else max(spec.layer_slot) + 1
         self.kv_pool = KVCachePool(
-            num_layers=len(model.model.layers),
+            num_layers=num_tensors,
             num_blocks=spec.num_blocks,
             block_size=spec.block_size,
             num_kv_heads=attn.num_kv_heads,
@@ -76,6 +82,10 @@ class Worker:
             sink_tokens=spec.kv_sink_tokens,
             recent_tokens=spec.kv_recent_tokens,
             overlay_slots=spec.overlay_slots,
+        )
+        self.layer_caches = (
+            self.kv_pool.layers if spec.layer_slot is None
+            else [self.kv_pool.layers[j] for j in spec.layer_slot]
         )
         self.sinks: dict[int, torch.Tensor] = {}  # the overlay's sink cache, keyed by the driver
         self.host_pool = (
@@ -137,7 +147,13 @@ class Worker:
                 meta.overlay_window_from = plan.overlay_window_from
             if plan.rope_seq_lens is not None:
                 meta.rope_seq_lens = tensor(plan.rope_seq_lens)
-            hidden = self.model(tensor(plan.input_ids), tensor(plan.positions), meta, self.kv_pool.layers)
+            if plan.group_block_tables is not None:  # hybrid: each layer its group's view
+                metas = [meta] + [
+                    dataclasses.replace(meta, block_tables=tensor(bt), slot_mapping=tensor(sm))
+                    for bt, sm in zip(plan.group_block_tables, plan.group_slot_mappings, strict=True)
+                ]
+                meta.per_layer = [metas[g] for g in self.layer_group]
+            hidden = self.model(tensor(plan.input_ids), tensor(plan.positions), meta, self.layer_caches)
             if plan.logits_rows:
                 idx = torch.tensor(plan.logits_rows, dtype=torch.long, device=dev)
                 logits = self.model.compute_logits(hidden[idx])  # gathered on every rank
