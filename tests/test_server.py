@@ -128,7 +128,8 @@ def servers(tmp_path_factory):
         *common, "--api-key", KEY, "--served-model-name", NAME, "--chat-template", TEMPLATE,
         log_path=d / "keyed.log",
     )  # fmt: skip
-    plain = ServerProcess(*common, "--max-body-bytes", "64KiB", log_path=d / "plain.log")
+    plain = ServerProcess(*common, "--max-body-bytes", "64KiB", "--disable-uvicorn-access-log",
+                          log_path=d / "plain.log")
     try:
         keyed.wait_ready()
         plain.wait_ready()
@@ -186,6 +187,18 @@ def test_health_and_metrics_are_open_but_v1_needs_the_key(server):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="sk-wrong").models.list()
+
+
+def test_access_log_by_default_and_off_with_vllms_flag(server, plain):
+    """uvicorn's access log at the default --uvicorn-log-level info, as in vLLM; none with
+    --disable-uvicorn-access-log (long-running servers otherwise write a line per request)."""
+    for s in (server, plain):
+        assert httpx.get(f"{s.url}/health", timeout=30).status_code == 200
+    deadline = time.monotonic() + 10
+    while '"GET /health HTTP/1.1" 200' not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert '"GET /health HTTP/1.1" 200' in server.log()
+    assert "HTTP/1.1\" " not in plain.log(), plain.log()[-2000:]
 
 
 def test_models_lists_the_served_name(client):

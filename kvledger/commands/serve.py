@@ -79,6 +79,11 @@ def add_parser(subparsers: Any) -> None:
         help="uvicorn's log level (its access log is at info; default: info)",
     )
     p.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no uvicorn access-log line per HTTP request (vLLM's flag)",
+    )
+    p.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -333,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
             root_path=args.root_path or "",
             ssl_keyfile=args.ssl_keyfile,
             ssl_certfile=args.ssl_certfile,
