@@ -114,7 +114,7 @@ def test_batched_fill_equals_per_row_fill(stories_path, threads):
     from kvledger.sampling_params import StructuredOutputsParams
     from kvledger.structured.backends import guidance_available, resolve_backend
     from kvledger.structured.compiler import GrammarCompiler
-    from kvledger.structured.state import GrammarState, MaskBuffer, fill_bitmask
+    from kvledger.structured.state import GrammarState, MaskBuffer, fill_bitmask, mask_threads
     from tests.data.json_schemas import SCHEMAS
 
     tok = AutoTokenizer.from_pretrained(str(stories_path))
@@ -159,5 +159,5 @@ def test_batched_fill_equals_per_row_fill(stories_path, threads):
             if states[i].accept(t):
                 states[i].matcher.reset()
     # The batched path ran, with the thread count asked for (capped by rows per thread).
-    want_threads = min(threads or torch.get_num_threads(), xgrammar_rows // 4)
+    want_threads = min(threads or mask_threads(), xgrammar_rows // 4)
     assert set(buf._batch) == {max(1, want_threads)}

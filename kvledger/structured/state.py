@@ -57,18 +57,22 @@ MIN_ROWS_PER_THREAD = 4
 
 
 def mask_threads() -> int:
-    """Threads for the step's mask work: KVLEDGER_MASK_THREADS, else torch's intra-op count."""
+    """Threads for the step's mask work: KVLEDGER_MASK_THREADS, else 1.
+
+    One by default: measured end to end on 2 cores with 2 torch threads (batch 16, 32k vocab),
+    the 2-thread mask work made constrained decoding 15-19 % slower than unconstrained, the
+    serial one 2-4 % (xgrammar's batched fill starts new threads on every call, and each
+    OpenMP region waits for its slowest thread); more threads may pay on larger machines."""
     env = os.environ.get(MASK_THREADS_ENV, "")
-    return max(1, int(env)) if env else torch.get_num_threads()
+    return max(1, int(env)) if env else 1
 
 
 class MaskBuffer:
     """The step's packed bitmask, filled into a buffer kept across steps.
 
     xgrammar rows are filled in one call of xgrammar's BatchGrammarMatcher, which splits them
-    over up to ``threads`` C++ threads (torch's intra-op thread count unless told otherwise:
-    the forward pass uses every core, so a serial fill's share of the step grows with the
-    thread count); llguidance rows keep their own per-row fill. Both write only their own rows
+    over up to ``threads`` C++ threads (``mask_threads()``: one unless told otherwise);
+    llguidance rows keep their own per-row fill. Both write only their own rows
     of the same buffer, so the mask does not depend on the thread count or the mix.
 
     Not in a helper thread overlapping the forward pass: xgrammar 0.2.9's fills hold the GIL
