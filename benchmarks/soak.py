@@ -119,6 +119,9 @@ async def one_request(
     ttft, gaps, chunks = None, [], 0
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code == 400:  # e.g. prompt + max_tokens past the context: refused
+                await resp.aread()
+                return {"refused": resp.json().get("error", {}).get("message", "")}
             if resp.status_code != 200:
                 return {"error": resp.status_code}
             async for line in resp.aiter_lines():
@@ -161,6 +164,7 @@ async def wave(url: str, n: int, concurrency: int, disconnect: float, seed: int)
     return {
         "wall_s": wall,
         "errors": sum(1 for r in results if "error" in r),
+        "refused": [r["refused"] for r in results if "refused" in r],
         "hung_up": sum(1 for r in results if r.get("hung_up")),
         "ttft_p50_ms": 1e3 * percentile(ttfts, 50),
         "ttft_p99_ms": 1e3 * percentile(ttfts, 99),
@@ -241,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"fds {row['fds']:3d}  thr {row['threads']:3d}  used {row['used_blocks']:4d}  "
                 f"TTFT p50/p99 {row['ttft_p50_ms']:6.1f}/{row['ttft_p99_ms']:7.1f} ms  "
                 f"ITL p50/p99 {row['itl_p50_ms']:5.1f}/{row['itl_p99_ms']:6.1f} ms  "
-                f"err {row['errors']}  hung up {row['hung_up']}",
+                f"err {row['errors']}  hung up {row['hung_up']}"
+                + "".join(f"\n  refused (400): {m}" for m in row["refused"]),
                 flush=True,
             )
     finally:
