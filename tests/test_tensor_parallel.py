@@ -53,7 +53,8 @@ def pair(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     build_hf_model(tiny_config(request.param), folder)
     tp1 = LLM(str(folder), **ENGINE)
-    tp2 = LLM(str(folder), tensor_parallel_size=2, **ENGINE)
+    # As `kvledger serve` does: each rank creates its shards' GEMM shapes at start-up.
+    tp2 = LLM(str(folder), tensor_parallel_size=2, warm_up_gemm_shapes=True, **ENGINE)
     yield request.param, folder, tp1, tp2
     tp2.llm_engine.shutdown()
 
@@ -69,6 +70,14 @@ def test_tp2_is_token_identical_to_tp1(pair):
     assert b.cow_copies == a.cow_copies > 0
     assert b.preemptions == a.preemptions
     assert b.preemptions["swap"] > 0 and b.preemptions["recompute"] > 0, b.preemptions
+
+
+def test_every_rank_warms_its_gemm_shapes_at_start_up(pair):
+    """`kvledger serve` creates every oneDNN GEMM shape at start-up so memory starts at its
+    plateau (issue 23); under TP the ranks run the GEMMs, so each must do it for its shards."""
+    ranks = pair[3].llm_engine.tp_ranks
+    assert len(ranks) == 2 and all(r.gemm_shapes_warmed > 0 for r in ranks), ranks
+    assert ranks[0].gemm_shapes_warmed == ranks[1].gemm_shapes_warmed  # same shard shapes
 
 
 def test_aborts_mid_generation_free_every_rank_block(pair):

@@ -238,11 +238,17 @@ class LLMEngine:
         if self.kv_layout.is_hybrid:  # KV cache groups: a block holds group_size layers
             spec.layer_group = self.kv_layout.layer_group
             spec.layer_slot = self.kv_layout.layer_slot
+        if config.warm_up_gemm_shapes:  # each rank creates its own shards' GEMM shapes
+            sc = config.scheduler
+            spec.warm_up_gemm_rows = (sc.max_num_batched_tokens, sc.max_num_seqs)
         self.executor = TPExecutor(
             spec, self.tp, backend, config.tp_driver_address, step_timeout_s=config.tp_step_timeout
         )
         self._executor_finalizer = weakref.finalize(self, self.executor.close)
         self.tp_ranks = self.executor.ready
+        if spec.warm_up_gemm_rows is not None:
+            logger.info("oneDNN GEMM shapes created at start-up per rank: %s",
+                        [r.gemm_shapes_warmed for r in self.tp_ranks])
         # Every rank's real pool must hold exactly what `kvledger plan --tp N` says per block.
         for r in self.tp_ranks:
             if r.bytes_per_block != bytes_per_block:

@@ -33,6 +33,9 @@ class WorkerSpec:
     # and pool tensor; the pool then has max(layer_slot) + 1 tensors. None: one tensor per layer.
     layer_group: tuple[int, ...] | None = None
     layer_slot: tuple[int, ...] | None = None
+    # `kvledger serve`: (max rows of a step, max sampled rows) - create every oneDNN GEMM shape
+    # of this rank's shards at start-up (model/layers.warm_up_gemm_shapes; issue 23). None: no.
+    warm_up_gemm_rows: tuple[int, int] | None = None
 
 
 @dataclass
@@ -46,6 +49,7 @@ class WorkerReady:
     host_pool_bytes: int
     weight_bytes: int
     overlay_bytes_per_row: int = 0  # one overlay row (a token's K and V, all layers) on this rank
+    gemm_shapes_warmed: int = 0  # GEMMs run at start-up by warm_up_gemm_rows
 
 
 @dataclass

@@ -39,7 +39,7 @@ from kvledger.distributed.overlay_proxy import apply_overlay_ops
 from kvledger.distributed.sharding import shard_model
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
-from kvledger.model.layers import can_pack_linear
+from kvledger.model.layers import can_pack_linear, warm_up_gemm_shapes
 
 
 def _tensor_bytes(tensors) -> int:
@@ -60,6 +60,9 @@ class Worker:
         shard_model(model, rank, world_size)
         if can_pack_linear(loaded.dtype, self.device):
             model.pack_linears()
+        self.gemm_shapes_warmed = 0
+        if spec.warm_up_gemm_rows is not None and self.device.type == "cpu":
+            self.gemm_shapes_warmed = warm_up_gemm_shapes(model, *spec.warm_up_gemm_rows)[0]
         if spec.attention_backend == "triton":
             from kvledger.model.attention.triton_backend import TritonAttentionBackend
 
@@ -94,6 +97,7 @@ class Worker:
         self.block_size = spec.block_size
         self.ready = WorkerReady(
             rank=rank,
+            gemm_shapes_warmed=self.gemm_shapes_warmed,
             pid=os.getpid(),
             host=socket.gethostname(),
             num_kv_heads=attn.num_kv_heads,
