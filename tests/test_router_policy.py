@@ -122,3 +122,67 @@ def test_bad_configuration_is_named():
         Router(2, "fastest")
     with pytest.raises(ConfigError, match="data_parallel_size must be >= 1"):
         Router(0)
+
+
+def _removed(tokens: list[int]) -> KVEventBatch:
+    return KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=hash_request_blocks(tokens, BS), medium="GPU")])
+
+
+def _serve_and_evict(r: Router, toks: list[int]) -> int:
+    """Route ``toks``, let its replica cache then evict every block of it, finish the request."""
+    d = r.choose(toks)
+    r.dispatched("x", d, toks, max_tokens=8)
+    r.replicas[d.rank].index.apply_payload(0, _stored_payload(toks))
+    r.finished("x")
+    r.replicas[d.rank].index.apply(1, _removed(toks))
+    assert not any(rep.index.prefix_blocks(hash_request_blocks(toks, BS)) for rep in r.replicas)
+    return d.rank
+
+
+def test_a_tenant_evicted_everywhere_goes_back_to_the_replica_that_served_it():
+    for history in (True, False):
+        r = Router(2, "cache_aware", BS, history_blocks=1024 if history else 0)
+        home = _serve_and_evict(r, PREFIX + [1] * 20)
+        r.replicas[home].tail_blocks = 5  # the home is now a little busier than the other replica
+        d = r.choose(PREFIX + [2] * 30)  # same tenant, another question; no replica caches it
+        if history:
+            assert (d.rank, d.overlap_blocks, d.reason) == (home, 0, "history")
+        else:  # without the history it lands by load alone: on the other replica
+            assert d.rank == 1 - home and d.reason == "cost"
+
+
+def test_a_new_prefix_goes_to_the_replica_with_the_least_placed_volume_not_the_least_load():
+    r = Router(2, "cache_aware", BS)
+    home = _serve_and_evict(r, PREFIX)
+    assert r.history_volume[home] == 62 and r.history_volume[1 - home] == 0
+    r.replicas[1 - home].tail_blocks = 50  # busier, but nothing placed there yet
+    other = [(11 * i + 5) % 30000 for i in range(800)]  # another tenant's prompt
+    d = r.choose(other)
+    assert (d.rank, d.reason) == (1 - home, "new")
+
+
+def test_history_is_bounded_and_forgets_a_dead_replica():
+    r = Router(2, "cache_aware", BS, history_blocks=40)
+    d = r.choose(PREFIX)
+    r.dispatched("a", d, PREFIX, 8)
+    assert len(r._history) == 40 and sum(r.history_volume) == 40  # the oldest 22 blocks dropped
+    assert r.history_home(hash_request_blocks(PREFIX, BS)) is None  # its leading blocks are gone
+    assert r.history_home(hash_request_blocks(PREFIX, BS)[22:]) == d.rank
+    r.mark_dead(d.rank)
+    assert not r._history and r.history_volume == [0, 0]
+
+
+def test_imbalance_guard_overrides_the_prefix_only_beyond_both_thresholds():
+    r = Router(2, "cache_aware", BS)
+    r.replicas[0].index.apply_payload(0, _stored_payload(PREFIX))
+    r.replicas[1].num_requests = 30
+    r.replicas[0].num_requests = 94  # 64 more than replica 1 (and > 1.5x): still a candidate
+    assert r.choose(PREFIX + [5]).rank == 0
+    r.replicas[0].num_requests = 95  # > 30 + 64 and > 1.5 x 30: out, despite its 62 cached blocks
+    assert r.choose(PREFIX + [5]).rank == 1
+    r.replicas[1].num_requests = 64  # 95 - 64 = 31 over, under 64: back in
+    assert r.choose(PREFIX + [5]).rank == 0
+    loose = Router(2, "cache_aware", BS, balance_abs=10**9)  # the cost alone keeps the prefix
+    loose.replicas[0].index.apply_payload(0, _stored_payload(PREFIX))
+    loose.replicas[0].num_requests, loose.replicas[1].num_requests = 95, 30
+    assert loose.choose(PREFIX + [5]).rank == 0

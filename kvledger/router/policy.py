@@ -26,6 +26,28 @@ gave 0.82, 0.1 gave 0.83 with a worse TTFT p99).
 The lowest cost wins; ties go to the replica with fewer requests, then in turn. ``least_loaded``
 is the same cost without the overlap; ``round_robin`` takes live replicas in turn.
 
+Three rules around the cost, for ``cache_aware`` only (issue 18: without them the simulator gave
+0.77-0.92x the throughput of a model of sglang-router's cache_aware, see docs/benchmarks.md):
+
+1. **Placement history.** When no replica holds (or is about to hold) any of the request's
+   blocks, the request goes back to the replica the router last sent that prefix to: a bounded
+   LRU map from block hash to rank (``history_blocks`` entries), matched like the index, longest
+   leading run. The exact index forgets a tenant once its blocks are evicted everywhere; routing
+   its next request by load alone scattered tenants over replicas, so each held more distinct
+   prompts than its pool fits and evicted more. The history is what sglang-router's tree is (it
+   remembers what was sent, not what is cached), used only where the exact state says nothing.
+2. **New prefixes to the least placement volume.** A prefix with neither cache nor history goes
+   to the replica with the fewest history blocks (prompt volume recently sent there), not the
+   least loaded one: load at a tenant's first request says little about the work the tenant
+   brings later, and balancing placed volume keeps each replica's working set near its pool
+   (sglang-router's "smallest tree"). ``history_blocks=0`` turns rules 1 and 2 off: such a
+   request then goes by the cost, i.e. to the least loaded replica.
+3. **Imbalance guard.** A replica whose in-flight requests exceed both ``balance_abs`` more and
+   ``balance_rel`` times those of the least loaded live replica is not a candidate, however much
+   of the prefix it holds (sglang-router's defaults: 64 and 1.5). Under saturation this bounds
+   how long a tenant's replica may lag the others; below it, the cost alone decides. Tighter
+   thresholds (16 and 1.5) lost throughput in the simulator: each forced move copies a prefix.
+
 The router learns load from its own bookkeeping (``dispatched``, ``prefilled``, ``finished``),
 which is exact and immediate, not from polled metrics that lag by an interval.
 """
@@ -41,6 +63,9 @@ from kvledger.router.index import KVIndex
 
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 DEFAULT_OVERLAP_WEIGHT = 0.25
+DEFAULT_HISTORY_BLOCKS = 1 << 18  # 4 M tokens of placed prefixes at 16 tokens a block; ~30 MB
+DEFAULT_BALANCE_ABS = 64
+DEFAULT_BALANCE_REL = 1.5
 
 
 class NoReplicaError(RuntimeError):
@@ -85,6 +110,7 @@ class Decision:
     rank: int
     overlap_blocks: int
     cost: float
+    reason: str = "cost"  # cost | history | new | round_robin: which rule placed it
 
 
 class Router:
@@ -95,6 +121,9 @@ class Router:
         block_size: int = 16,
         hash_algo: str = DEFAULT_HASH_ALGO,
         overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
+        history_blocks: int = DEFAULT_HISTORY_BLOCKS,
+        balance_abs: int = DEFAULT_BALANCE_ABS,
+        balance_rel: float = DEFAULT_BALANCE_REL,
     ) -> None:
         if policy not in ROUTING_POLICIES:
             raise ConfigError(f"dp routing must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
@@ -107,6 +136,10 @@ class Router:
         self.replicas = [ReplicaState(r) for r in range(num_replicas)]
         self._next = 0
         self._inflight: dict[str, _InFlight] = {}
+        self.history_blocks = history_blocks
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self._history: dict[int, int] = {}  # block hash -> rank it was last sent to; insertion = LRU order
+        self.history_volume = [0] * num_replicas  # history entries per rank
 
     # ------------------------------------------------------------ decisions
     def block_hashes(self, token_ids: list[int], salt: str | None = None) -> list[int]:
@@ -123,14 +156,25 @@ class Router:
         order = sorted(live, key=lambda r: (r.rank - start) % len(self.replicas))
         self._next += 1
         if self.policy == "round_robin":
-            return Decision(order[0].rank, 0, 0.0)
-        if hashes is None and self.policy == "cache_aware":
-            hashes = self.block_hashes(token_ids, salt)
+            return Decision(order[0].rank, 0, 0.0, "round_robin")
+        overlaps = [0] * len(self.replicas)
+        if self.policy == "cache_aware":
+            if hashes is None:
+                hashes = self.block_hashes(token_ids, salt)
+            order = self.balanced(order)
+            for r in order:
+                overlaps[r.rank] = r.overlap(hashes)
+            if hashes and self.history_blocks > 0 and not any(overlaps[r.rank] for r in order):
+                home = self.history_home(hashes)
+                if home is not None and any(r.rank == home for r in order):
+                    return Decision(home, 0, 0.0, "history")
+                r = min(order, key=lambda r: (self.history_volume[r.rank], r.num_requests))
+                return Decision(r.rank, 0, 0.0, "new")
         best: Decision | None = None
         best_key: tuple | None = None
         bs = self.block_size
         for r in order:
-            overlap = r.overlap(hashes) if self.policy == "cache_aware" else 0
+            overlap = overlaps[r.rank]
             prefill = (r.queued_tokens + len(token_ids) - overlap * bs) / bs
             new_blocks = -(-len(token_ids) // bs) - overlap
             cost = self.overlap_weight * prefill + r.active_blocks + new_blocks
@@ -139,6 +183,34 @@ class Router:
                 best, best_key = Decision(r.rank, overlap, cost), key
         assert best is not None
         return best
+
+    def balanced(self, live: list[ReplicaState]) -> list[ReplicaState]:
+        """The imbalance guard (rule 3): drop replicas with more than ``balance_abs`` and more than
+        ``balance_rel`` x the in-flight requests of the least loaded one (order kept)."""
+        lo = min(r.num_requests for r in live)
+        limit = max(lo + self.balance_abs, lo * self.balance_rel)
+        return [r for r in live if r.num_requests <= limit]
+
+    def history_home(self, hashes: list[int]) -> int | None:
+        """The rank the longest leading run of ``hashes`` was last sent to (rule 1), or None."""
+        home = None
+        for h in hashes:
+            rank = self._history.get(h)
+            if rank is None:
+                break
+            home = rank
+        return home
+
+    def _remember(self, rank: int, hashes: list[int]) -> None:
+        hist, vol = self._history, self.history_volume
+        for h in hashes:
+            old = hist.pop(h, None)
+            if old is not None:
+                vol[old] -= 1
+            hist[h] = rank  # re-inserted: now the most recent
+            vol[rank] += 1
+        while len(hist) > self.history_blocks:
+            vol[hist.pop(next(iter(hist)))] -= 1
 
     # ------------------------------------------------------------ bookkeeping
     def dispatched(
@@ -157,6 +229,8 @@ class Router:
         r.num_requests += 1
         r.dispatched += 1
         r.hit_blocks += decision.overlap_blocks
+        if self.policy == "cache_aware" and self.history_blocks > 0:
+            self._remember(decision.rank, hashes)
 
     def prefilled(self, request_id: str) -> None:
         """Its first token came back: its prompt is no longer queued work."""
@@ -183,6 +257,9 @@ class Router:
         r = self.replicas[rank]
         r.alive = False
         r.index.clear()
+        # Its placements are void (a restarted replica comes back empty): new prefixes may go there.
+        self._history = {h: k for h, k in self._history.items() if k != rank}
+        self.history_volume[rank] = 0
         lost = [rid for rid, f in self._inflight.items() if f.rank == rank]
         for rid in lost:
             self.finished(rid)

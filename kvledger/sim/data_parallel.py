@@ -101,6 +101,7 @@ def simulate_data_parallel(
     bytes_per_token: int,
     cost_model: StepCostModel,
     overlap_weight: float = 0.25,
+    router_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Replay ``trace`` over ``num_replicas`` replicas; returns the summary figures."""
     if policy not in DP_SIM_POLICIES:
@@ -110,7 +111,7 @@ def simulate_data_parallel(
     bs = cache_config.block_size
     bytes_per_block = bytes_per_token * bs
     router = Router(num_replicas, policy if policy in ROUTING_POLICIES else "round_robin", bs,
-                    cache_config.prefix_caching_hash_algo, overlap_weight)
+                    cache_config.prefix_caching_hash_algo, overlap_weight, **(router_options or {}))
     sgl = _SglangModel(num_replicas) if policy == "sglang_model" else None
     reps: list[_Replica] = []
     for _ in range(num_replicas):
