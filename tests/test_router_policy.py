@@ -186,3 +186,19 @@ def test_imbalance_guard_overrides_the_prefix_only_beyond_both_thresholds():
     loose.replicas[0].index.apply_payload(0, _stored_payload(PREFIX))
     loose.replicas[0].num_requests, loose.replicas[1].num_requests = 95, 30
     assert loose.choose(PREFIX + [5]).rank == 0
+
+
+def test_a_busy_holder_keeps_its_prefix_unless_busier_than_a_typical_other_replica():
+    def router(**kw) -> Router:
+        r = Router(3, "cache_aware", BS, **kw)
+        r.replicas[0].index.apply_payload(0, _stored_payload(PREFIX))
+        r.replicas[0].tail_blocks = 90  # busy holder
+        r.replicas[2].tail_blocks = 200  # replica 1 is momentarily idle, replica 2 busier still
+        return r
+
+    # Against the idlest replica alone the copy looks cheaper; against the average other it is not.
+    assert router(move_floor=0).choose(PREFIX + [5]).rank == 1
+    assert router().choose(PREFIX + [5]).rank == 0
+    r = router()
+    r.replicas[0].tail_blocks = 400  # far busier than a typical other replica: the copy pays
+    assert r.choose(PREFIX + [5]).rank == 1

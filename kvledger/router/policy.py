@@ -26,7 +26,7 @@ gave 0.82, 0.1 gave 0.83 with a worse TTFT p99).
 The lowest cost wins; ties go to the replica with fewer requests, then in turn. ``least_loaded``
 is the same cost without the overlap; ``round_robin`` takes live replicas in turn.
 
-Three rules around the cost, for ``cache_aware`` only (issue 18: without them the simulator gave
+Four rules around the cost, for ``cache_aware`` only (issue 18: without them the simulator gave
 0.77-0.92x the throughput of a model of sglang-router's cache_aware, see docs/benchmarks.md):
 
 1. **Placement history.** When no replica holds (or is about to hold) any of the request's
@@ -47,6 +47,16 @@ Three rules around the cost, for ``cache_aware`` only (issue 18: without them th
    of the prefix it holds (sglang-router's defaults: 64 and 1.5). Under saturation this bounds
    how long a tenant's replica may lag the others; below it, the cost alone decides. Tighter
    thresholds (16 and 1.5) lost throughput in the simulator: each forced move copies a prefix.
+4. **Moving floor.** In the cost, a replica that lacks the longest match counts as at least
+   ``move_floor`` x the average load (queued tokens, active blocks) of the replicas that lack it.
+   A request leaves its prefix's holder only when the holder is busier than a typical other
+   replica by more than the copy costs, not merely busier than the momentarily idlest one: with
+   64 replicas one is always idle, and comparing against it moved busy tenants to replicas whose
+   own tenants filled them soon after, splitting prefixes (N=64, seed 0, 40 req/s per replica:
+   230 requests sent to a replica without the prefix, tenants on 1.45 replicas on average vs 1.0
+   under sglang_model; hit rate 0.785 vs 0.854). 1.0 left 0.95x sglang_model at N=16 and 64;
+   1.25 gave >= 0.975x at N=4, 16, 64 on four seed/rate settings; 0.5 gave 0.76x at N=64; no
+   moves at all (only the guard) 0.89x. ``move_floor=0`` turns it off.
 
 The router learns load from its own bookkeeping (``dispatched``, ``prefilled``, ``finished``),
 which is exact and immediate, not from polled metrics that lag by an interval.
@@ -66,6 +76,7 @@ DEFAULT_OVERLAP_WEIGHT = 0.25
 DEFAULT_HISTORY_BLOCKS = 1 << 18  # 4 M tokens of placed prefixes at 16 tokens a block; ~30 MB
 DEFAULT_BALANCE_ABS = 64
 DEFAULT_BALANCE_REL = 1.5
+DEFAULT_MOVE_FLOOR = 1.25
 
 
 class NoReplicaError(RuntimeError):
@@ -124,6 +135,7 @@ class Router:
         history_blocks: int = DEFAULT_HISTORY_BLOCKS,
         balance_abs: int = DEFAULT_BALANCE_ABS,
         balance_rel: float = DEFAULT_BALANCE_REL,
+        move_floor: float = DEFAULT_MOVE_FLOOR,
     ) -> None:
         if policy not in ROUTING_POLICIES:
             raise ConfigError(f"dp routing must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
@@ -138,6 +150,7 @@ class Router:
         self._inflight: dict[str, _InFlight] = {}
         self.history_blocks = history_blocks
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self.move_floor = move_floor
         self._history: dict[int, int] = {}  # block hash -> rank it was last sent to; insertion = LRU order
         self.history_volume = [0] * num_replicas  # history entries per rank
 
@@ -173,11 +186,21 @@ class Router:
         best: Decision | None = None
         best_key: tuple | None = None
         bs = self.block_size
+        top = max(overlaps[r.rank] for r in order)
+        others = [r for r in order if overlaps[r.rank] < top]
+        floor_q = floor_a = 0.0
+        if self.policy == "cache_aware" and self.move_floor > 0 and top and others:
+            # Rule 4: a replica without the longest match counts as loaded like the average such one.
+            floor_q = self.move_floor * sum(r.queued_tokens for r in others) / len(others)
+            floor_a = self.move_floor * sum(r.active_blocks for r in others) / len(others)
         for r in order:
             overlap = overlaps[r.rank]
-            prefill = (r.queued_tokens + len(token_ids) - overlap * bs) / bs
+            queued, active = r.queued_tokens, r.active_blocks
+            if overlap < top:
+                queued, active = max(queued, floor_q), max(active, floor_a)
+            prefill = (queued + len(token_ids) - overlap * bs) / bs
             new_blocks = -(-len(token_ids) // bs) - overlap
-            cost = self.overlap_weight * prefill + r.active_blocks + new_blocks
+            cost = self.overlap_weight * prefill + active + new_blocks
             key = (cost, r.num_requests)
             if best_key is None or key < best_key:
                 best, best_key = Decision(r.rank, overlap, cost), key
