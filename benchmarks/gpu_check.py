@@ -4,7 +4,7 @@ engine agree with HF, and how close to the roofline do decode and prefill run.
     python benchmarks/gpu_check.py              # one CUDA GPU, finishes in < 8 minutes
     python benchmarks/gpu_check.py --dry-run    # CPU, Triton interpreter, tiny shapes: it runs
 
-Needs only torch, triton and transformers (plus this repository). Three parts:
+Needs only torch, triton and transformers (plus this repository). Four parts:
 
 1. kernels vs the torch reference backend on the device: head_dim 64/128/256, block sizes 16/32,
    GQA/MQA, ragged prefix hits, fp16/bf16, int8/fp8 KV (with sinks + recent window), split-K;
@@ -14,7 +14,17 @@ Needs only torch, triton and transformers (plus this repository). Three parts:
    bf16): decode steps at batch 1, 64 and 256 over 1k-token contexts (CUDA graphs), and prefill of
    2k-token prompts, as fractions of the roofline -- HBM bandwidth for decode (bytes = weights
    read + KV read), bf16 dense peak for prefill (FLOPs = 2 x params x tokens + causal attention) --
-   printing every figure it computes them from.
+   printing every figure it computes them from;
+4. the price of indirection on the Triton path (issue 21, claim 6; benchmarks/seed_paging.py does
+   the native and torch paths): the paged decode kernel alone, one Llama-3-8B attention layer
+   (32 query / 8 KV heads of 128, bf16), contexts 256/1024/4096/8192, block sizes 1/16/32/128,
+   batch 1 and 64, with (a) each request's blocks scattered at random through a 512k-token pool
+   and (b) an identity block table over consecutive blocks holding the same K/V (the table lookup
+   is then the only difference from a contiguous layout), plus torch SDPA over a contiguous
+   [batch, KV heads, context, 128] copy as a reference. Each timed call is a CUDA graph of up to
+   256 launches over disjoint pool regions (no L2-resident re-reads, no launch overhead), best of
+   3 interleaved rounds; (a) and (b) must give the same output (and SDPA within bf16 tolerance).
+   Prints every configuration's ratios and the median scattered/identity ratio per block size.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ ROOFLINES = [
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,hf,perf")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,hf,perf,paging")
     args = ap.parse_args()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
@@ -68,6 +78,8 @@ def main() -> int:
         ok &= check_hf(dev, dry)
     if "perf" not in skip:
         perf(dev, dry)
+    if "paging" not in skip:
+        ok &= paging_cost(dev, dry)
     print(f"\n== done in {time.perf_counter() - t0:.1f} s: {'ALL CHECKS PASSED' if ok else 'SOME CHECKS FAILED'}")
     return 0 if ok else 1
 
@@ -440,6 +452,142 @@ def _decode_step(torch, model, pool, meta, ids, pos, dev, dry):
 
     graph = capture(step, dev)
     return graph.replay
+
+
+# -- 4. the price of indirection (issue 21, claim 6) --------------------------------------------
+def paging_cost(dev, dry: bool) -> bool:
+    """Triton paged decode over scattered blocks vs the same kernel over an identity table on
+    consecutive blocks holding the same K/V, and SDPA over a contiguous copy; see the docstring."""
+    import statistics
+
+    import torch
+
+    from kvledger.model.attention import triton_kernels as kern
+
+    print("\n== 4. price of indirection: Triton paged decode, scattered blocks vs identity table "
+          "(same K/V) vs SDPA on a contiguous buffer")  # fmt: skip
+    if dry:
+        heads, kvh, d, dtype = 4, 2, 16, torch.float32
+        contexts, batches, block_sizes, max_rot, iters, rounds = (128,), (1, 2), (1, 16, 32, 128), 2, 1, 1
+        num_sms = 4
+    else:
+        heads, kvh, d, dtype = 32, 8, 128, torch.bfloat16
+        contexts, batches, block_sizes = (256, 1024, 4096, 8192), (1, 64), (1, 16, 32, 128)
+        max_rot, iters, rounds = 256, 5, 3
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
+    total = max(batches) * max(contexts)  # pool tokens: the largest step fills it once
+    g = torch.Generator(device=dev).manual_seed(0)
+    # The identity-layout pool: flat [tokens, KV heads, d], viewed as [blocks, bs, ...] per bs.
+    k1 = torch.randn(total, kvh, d, generator=g, device=dev).to(dtype)
+    v1 = torch.randn(total, kvh, d, generator=g, device=dev).to(dtype)
+    k2, v2 = torch.empty_like(k1), torch.empty_like(v1)  # the scattered twin, filled per bs
+    scale = d**-0.5
+    print(f"one layer, {heads} query / {kvh} KV heads x {d}, {str(dtype).replace('torch.', '')}, pool {total} "
+          f"tokens ({2 * k1.numel() * k1.element_size() / 2**30:.2f} GiB K+V per layout); ms per decode "
+          f"call, best of {rounds} interleaved rounds; rot = calls per timed graph (disjoint regions)")  # fmt: skip
+    print(f"  {'batch':>5} {'ctx':>5} {'bs':>4} {'splits':>6} {'rot':>4} | {'scattered':>9} {'identity':>9} "
+          f"{'SDPA':>9} | {'scat/ident':>10} {'ident/SDPA':>10} {'scat/SDPA':>9} | max|a-b|  max|b-SDPA|")  # fmt: skip
+    rows, ok = [], True
+    for b in batches:
+        q_all = torch.randn(max_rot, b, heads, d, generator=g, device=dev).to(dtype)
+        qsl = torch.arange(b + 1, device=dev)
+        dummy = torch.zeros(b, kvh, d, dtype=dtype, device=dev)  # the step's k/v: read only with an overlay
+        for ctx in contexts:
+            rot = max(1, min(max_rot, total // (b * ctx)))  # one disjoint pool region per call
+            lens = torch.full((b,), ctx, dtype=torch.int64, device=dev)
+            splits = kern.choose_num_splits(b, kvh, ctx, num_sms)  # as the backend picks it
+            # SDPA's contiguous buffer [requests, KV heads, ctx, d]: request i = tokens i*ctx... of (b).
+            kc = k1.view(total // ctx, ctx, kvh, d).transpose(1, 2).contiguous()
+            vc = v1.view(total // ctx, ctx, kvh, d).transpose(1, 2).contiguous()
+            sdpa_args = [(q_all[r], kc[r * b : (r + 1) * b], vc[r * b : (r + 1) * b], scale) for r in range(rot)]
+            t_sdpa = None
+            for bs in block_sizes:
+                nblocks, mb = total // bs, ctx // bs
+                perm = torch.randperm(nblocks, generator=torch.Generator().manual_seed(7 * bs + ctx)).to(dev)
+                k2.view(nblocks, -1)[perm] = k1.view(nblocks, -1)  # block j of (b) is block perm[j] of (a)
+                v2.view(nblocks, -1)[perm] = v1.view(nblocks, -1)
+                ident = [torch.arange(r * b * mb, (r + 1) * b * mb, device=dev).view(b, mb) for r in range(rot)]
+                c1 = kern.CacheView(k1, v1, None, None, 0, 0, bs)
+                c2 = kern.CacheView(k2, v2, None, None, 0, 0, bs)
+                calls = {
+                    name: [(q_all[r], dummy, dummy, cache, qsl, lens, tables[r], scale, 1, splits) for r in range(rot)]
+                    for name, cache, tables in (("scattered", c2, [perm[t] for t in ident]), ("identity", c1, ident))
+                }  # fmt: skip
+                if t_sdpa is None:
+                    calls["sdpa"] = sdpa_args
+                best = {k: float("inf") for k in calls}
+                for _ in range(rounds):
+                    for k, args in calls.items():
+                        fn = _sdpa_decode if k == "sdpa" else _paged_decode
+                        best[k] = min(best[k], _time_calls(fn, args, dev, iters))
+                t_sdpa = best.get("sdpa", t_sdpa)
+                a = _paged_decode(*calls["scattered"][-1]).float()
+                ref = _paged_decode(*calls["identity"][-1]).float()
+                err_ab = (a - ref).abs().max().item()
+                err_sdpa = (ref - _sdpa_decode(*sdpa_args[-1]).float()).abs().max().item()
+                good = err_ab <= tol and err_sdpa <= tol
+                ok &= good
+                row = dict(b=b, ctx=ctx, bs=bs, scat=best["scattered"], ident=best["identity"], sdpa=t_sdpa)
+                rows.append(row)
+                print(f"  {b:5d} {ctx:5d} {bs:4d} {splits:6d} {rot:4d} | {row['scat'] * 1e3:9.4f} "
+                      f"{row['ident'] * 1e3:9.4f} {t_sdpa * 1e3:9.4f} | {row['scat'] / row['ident']:10.3f} "
+                      f"{row['ident'] / t_sdpa:10.3f} {row['scat'] / t_sdpa:9.3f} | {err_ab:.1e}   {err_sdpa:.1e}"
+                      f"{'' if good else f'  FAIL (tol {tol:g})'}")  # fmt: skip
+            del kc, vc, sdpa_args
+    print("  median by block size (all contexts, both batches): "
+          + "; ".join(
+              f"bs {bs}: scattered/identity "
+              f"{statistics.median([r['scat'] / r['ident'] for r in rows if r['bs'] == bs]):.3f}x, "
+              f"identity/SDPA {statistics.median([r['ident'] / r['sdpa'] for r in rows if r['bs'] == bs]):.3f}x"
+              for bs in block_sizes
+          ))  # fmt: skip
+    sr = [r["scat"] / r["ident"] for r in rows]
+    print(f"  scattered/identity (paged/contiguous, same kernel) over all {len(rows)} configurations: "
+          f"{min(sr):.3f}-{max(sr):.3f}x (median {statistics.median(sr):.3f}x); outputs of (a) and (b) "
+          f"{'equal' if ok else 'NOT equal'} within {tol:g}, SDPA within {tol:g} of (b)")  # fmt: skip
+    return ok
+
+
+def _paged_decode(q, k, v, cache, qsl, lens, table, scale, max_query_len, splits):
+    from kvledger.model.attention import triton_kernels as kern
+
+    return kern.paged_attention(q, k, v, cache, qsl, lens, table, scale, max_query_len, num_splits=splits)
+
+
+def _sdpa_decode(q, kc, vc, scale):
+    """q [b, H, d] over contiguous kc/vc [b, KV heads, ctx, d] -> [b, H * d]."""
+    import torch.nn.functional as F
+
+    b, heads, d = q.shape
+    try:
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, scale=scale, enable_gqa=True)
+    except TypeError:  # torch < 2.5: no enable_gqa
+        rep = heads // kc.shape[1]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kc.repeat_interleave(rep, 1), vc.repeat_interleave(rep, 1), scale=scale
+        )
+    return o.reshape(b, heads * d)
+
+
+def _time_calls(fn, arg_list, dev, iters: int) -> float:
+    """Seconds per call of fn over arg_list (one call per entry, in turn); on a GPU the calls
+    are captured in one CUDA graph (no launch overhead) and replayed, timed by _time's events."""
+
+    def run():
+        for args in arg_list:
+            out = fn(*args)
+        return out
+
+    if dev.type == "cuda":
+        from kvledger.core.cuda_graphs import capture
+
+        graph = capture(run, dev)
+        t = _time(graph.replay, dev, iters)
+        del graph
+    else:
+        t = _time(run, dev, iters)
+    return t / len(arg_list)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ def test_engine_flags_reach_the_config(stories_path):
 
 def test_gpu_check_dry_run_executes():
     """benchmarks/gpu_check.py is the one command for a lent GPU; its CPU dry run (interpreter,
-    tiny shapes) must at least execute and pass its kernel checks (HF part: test_triton_kernels)."""
+    tiny shapes) must at least execute and pass its kernel checks (HF part: test_triton_kernels),
+    including part 4's paged-vs-identity-table equality."""
     import subprocess
     import sys
     from pathlib import Path
@@ -73,6 +74,10 @@ def test_gpu_check_dry_run_executes():
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ALL CHECKS PASSED" in r.stdout and "decode batch   2" in r.stdout
+    # part 4 (issue 21): scattered vs identity table vs SDPA, every block size, equal outputs
+    assert "== 4. price of indirection" in r.stdout
+    assert "median by block size" in r.stdout and "bs 1: scattered/identity" in r.stdout
+    assert "outputs of (a) and (b) equal" in r.stdout and "FAIL" not in r.stdout
 
 
 def test_kernels_compile_for_sm90_without_a_gpu(tmp_path):
