@@ -117,7 +117,7 @@ def _env() -> dict[str, str]:
 
 def start_replicas(folder: Path, a: argparse.Namespace, out: Path, tag: str) -> tuple[list[Server], list[str]]:
     servers, events = [], []
-    for i in range(2):
+    for i in range(a.replicas):
         port, ev = free_port(), f"tcp://127.0.0.1:{free_port()}"
         cfg = {"enable_kv_cache_events": True, "endpoint": ev.replace("127.0.0.1", "*")}
         cmd = [sys.executable, "-m", "kvledger", "serve", str(folder), "--port", str(port),
@@ -238,12 +238,14 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=512)
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     ap.add_argument("--num-kv-blocks", type=int, default=768, help="per replica, 16 tokens each")
+    ap.add_argument("--replicas", type=int, default=2,
+                    help="kvledger replicas (1 thread each; more than the cores share them)")
     ap.add_argument("--arms", default="round_robin,sglang,cache_aware")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     m = machine_info()
     flags = open("/proc/cpuinfo").read()
-    print("== dp_routing: 2 kvledger replicas x 1 thread behind a router")
+    print(f"== dp_routing: {a.replicas} kvledger replicas x 1 thread behind a router")
     print(f"command : {' '.join(sys.orig_argv)}")
     print(f"machine : {m['cpu_model']}, {m['cores']} cores; flags: {' '.join(f for f in CPU_FLAGS if f in flags)}")
     folder = model_folder()
