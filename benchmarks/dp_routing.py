@@ -182,7 +182,7 @@ async def drive(url: str, prompts: list[str], reqs: list[Req]) -> dict[str, Any]
             async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
                     errors += 1
-                    await resp.aread()
+                    failures.append(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
                     return
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -192,18 +192,23 @@ async def drive(url: str, prompts: list[str], reqs: list[Req]) -> dict[str, Any]
                         first = time.perf_counter()
                     if d.get("usage"):
                         out_tokens += d["usage"]["completion_tokens"]
-        except httpx.HTTPError:
+        except httpx.HTTPError as e:
             errors += 1
+            failures.append(f"{type(e).__name__}: {e}")
             return
         if first is not None:
             ttft.append(first - sent)
         last = max(last, time.perf_counter())
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=None)) as c:
+    failures: list[str] = []
+    # Idle connections expire before the router's 5 s keep-alive, so the client never sends on a
+    # connection the server is closing (a transport error that is not the router's fault).
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as c:
         await asyncio.gather(*(one(c, r) for r in reqs))
     wall = last - t0
     if errors:
-        print(f"  {errors} requests failed", flush=True)
+        print(f"  {errors} requests failed: " + "; ".join(sorted(set(failures))), flush=True)
     return {
         "duration_s": wall,
         "output_tokens": out_tokens,

@@ -95,7 +95,11 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
                 s = EventSubscriber(zctx, rep.events_endpoint, router.replicas[rank].index, rep.replay_endpoint)
                 s.start()
                 subs.append(s)
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+        # Idle upstream connections expire well before a replica's keep-alive (uvicorn: 5 s), so
+        # the router never sends a request on a connection the replica is closing, which would
+        # fail that request and take a healthy replica out of rotation.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=2.0)
+        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits)
         probe = asyncio.get_running_loop().create_task(_probe_loop())
         try:
             yield
