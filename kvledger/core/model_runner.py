@@ -8,7 +8,6 @@ and decodes together, and samples the requests whose next token is due.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -224,8 +223,7 @@ class ModelRunner:
             if m.rope_seq_lens is not None:  # LongRoPE: the table follows each sequence's length
                 plan.rope_seq_lens = m.rope_seq_lens.numpy()
             if m.per_layer is not None:  # hybrid: each further group's view, in group order
-                groups = [m.per_layer[self.layer_group.index(g)]
-                          for g in range(1, len(self.block_tables))]
+                groups = m.group_views(self.layer_group)
                 plan.group_block_tables = [g.block_tables.numpy() for g in groups]
                 plan.group_slot_mappings = [g.slot_mapping.numpy() for g in groups]
             if m.overlay_slots is not None:
@@ -309,21 +307,15 @@ class ModelRunner:
         bs = self.block_size
         pos = self._np_positions
         req_idx = np.repeat(np.arange(len(reqs)), np.asarray(query_lens, dtype=np.int64))
-        metas = [meta]
+        views = []
         rids = [r.request_id for r in reqs]
         for bt in self.block_tables[1:]:
             rows = np.asarray(bt.rows(rids))
             max_blocks = int(bt.num_blocks[rows].max())
             tables = bt.array[rows, :max_blocks]
             slots = tables[req_idx, pos // bs] * bs + pos % bs
-            metas.append(
-                dataclasses.replace(
-                    meta,
-                    slot_mapping=torch.from_numpy(slots).to(self.device),
-                    block_tables=torch.from_numpy(tables).to(self.device),
-                )
-            )
-        meta.per_layer = [metas[g] for g in self.layer_group]
+            views.append((torch.from_numpy(tables).to(self.device), torch.from_numpy(slots).to(self.device)))
+        meta.set_group_views(views, self.layer_group)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], out: RunnerOutput) -> None:
         """One row per request; an n > 1 parent's first row is also sampled for its children."""

@@ -14,7 +14,6 @@ It holds no scheduler, block manager or request state: everything it needs is in
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import time
@@ -152,11 +151,11 @@ class Worker:
             if plan.rope_seq_lens is not None:
                 meta.rope_seq_lens = tensor(plan.rope_seq_lens)
             if plan.group_block_tables is not None:  # hybrid: each layer its group's view
-                metas = [meta] + [
-                    dataclasses.replace(meta, block_tables=tensor(bt), slot_mapping=tensor(sm))
-                    for bt, sm in zip(plan.group_block_tables, plan.group_slot_mappings, strict=True)
-                ]
-                meta.per_layer = [metas[g] for g in self.layer_group]
+                meta.set_group_views(
+                    [(tensor(bt), tensor(sm))
+                     for bt, sm in zip(plan.group_block_tables, plan.group_slot_mappings, strict=True)],
+                    self.layer_group,
+                )
             hidden = self.model(tensor(plan.input_ids), tensor(plan.positions), meta, self.layer_caches)
             if plan.logits_rows:
                 idx = torch.tensor(plan.logits_rows, dtype=torch.long, device=dev)

@@ -8,7 +8,7 @@ tokens of context whose K/V live in the blocks listed in ``block_tables[i]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,3 +44,17 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+    def set_group_views(
+        self, views: list[tuple[torch.Tensor, torch.Tensor]], layer_group: tuple[int, ...]
+    ) -> None:
+        """Hybrid models: KV cache groups 1.. get their own (block_tables, slot_mapping), the
+        step otherwise this one; ``per_layer`` then gives layer i the view of ``layer_group[i]``.
+        The driver's runner and each tensor-parallel rank build it the same way."""
+        metas = [self] + [replace(self, block_tables=bt, slot_mapping=sm) for bt, sm in views]
+        self.per_layer = [metas[g] for g in layer_group]
+
+    def group_views(self, layer_group: tuple[int, ...]) -> list[AttentionMetadata]:
+        """Groups 1..'s views, in group order (what ``set_group_views`` was given)."""
+        by_group = dict(zip(layer_group, self.per_layer, strict=True))
+        return [by_group[g] for g in range(1, max(layer_group) + 1)]
