@@ -243,7 +243,7 @@ def main() -> None:
     ap.add_argument("--parts", default="1,2,3", help="comma-separated parts to run (1: mask cost, 2: end to "
                     "end, 3: compile trace)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (the engine's mask "
-                    "work uses as many, unless KVLEDGER_MASK_THREADS says otherwise)")
+                    "work stays on one unless KVLEDGER_MASK_THREADS says otherwise)")
     args = ap.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
     from benchmarks.common import print_header
@@ -253,7 +253,7 @@ def main() -> None:
 
     torch.set_num_threads(args.torch_threads)
     print(f"torch threads {torch.get_num_threads()}; KVLEDGER_MASK_THREADS="
-          f"{os.environ.get('KVLEDGER_MASK_THREADS', '(unset: the torch thread count)')}")
+          f"{os.environ.get('KVLEDGER_MASK_THREADS', '(unset: 1)')}")
     if 1 in parts:
         bench_mask(args.steps)
     for preset in args.e2e_presets.split(",") if 2 in parts else []:

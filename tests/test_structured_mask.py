@@ -161,3 +161,17 @@ def test_batched_fill_equals_per_row_fill(stories_path, threads):
     # The batched path ran, with the thread count asked for (capped by rows per thread).
     want_threads = min(threads or mask_threads(), xgrammar_rows // 4)
     assert set(buf._batch) == {max(1, want_threads)}
+
+
+@pytest.mark.parametrize("value", ["two", "0", "-1"])
+def test_a_bad_mask_threads_setting_fails_at_start_up_naming_it(monkeypatch, value):
+    """KVLEDGER_MASK_THREADS is read at each step; a bad value must stop the engine's start-up
+    (ModelRunner builds its MaskBuffer) with a message naming it, not fail mid-step."""
+    from kvledger.errors import ConfigError
+    from kvledger.structured.state import MASK_THREADS_ENV, MaskBuffer
+
+    monkeypatch.setenv(MASK_THREADS_ENV, value)
+    with pytest.raises(ConfigError, match=f"{MASK_THREADS_ENV} must be a positive integer, got '{value}'"):
+        MaskBuffer()
+    monkeypatch.setenv(MASK_THREADS_ENV, "2")
+    assert MaskBuffer().fill_threads(16) == 2

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvledger.errors import ConfigError
+
 logger = logging.getLogger("kvledger")
 
 
@@ -48,8 +50,7 @@ class GrammarState:
 
 
 # KVLEDGER_MASK_THREADS=n: at most n threads for the step's grammar-mask work (the batched
-# fill and the greedy rows' fused masked argmax); default: torch's intra-op thread count, read
-# at each step. 1 keeps it all on the calling thread (the serial path, for comparison).
+# fill and the greedy rows' fused masked argmax); default 1, all on the calling thread.
 MASK_THREADS_ENV = "KVLEDGER_MASK_THREADS"
 # xgrammar's batched fill starts its threads at each call (tens of us): worth it only when each
 # thread gets a few rows of ~20-40 us.
@@ -64,7 +65,11 @@ def mask_threads() -> int:
     serial one 2-4 % (xgrammar's batched fill starts new threads on every call, and each
     OpenMP region waits for its slowest thread); more threads may pay on larger machines."""
     env = os.environ.get(MASK_THREADS_ENV, "")
-    return max(1, int(env)) if env else 1
+    if not env:
+        return 1
+    if not env.isdigit() or int(env) < 1:
+        raise ConfigError(f"{MASK_THREADS_ENV} must be a positive integer, got {env!r}")
+    return int(env)
 
 
 class MaskBuffer:
@@ -81,6 +86,7 @@ class MaskBuffer:
     """
 
     def __init__(self, threads: int | None = None) -> None:
+        mask_threads()  # a bad KVLEDGER_MASK_THREADS fails at start-up, not in a step
         self._buf: torch.Tensor | None = None
         self.threads = threads  # None: mask_threads() at each fill
         self._batch: dict[int, object] = {}  # thread count -> xgrammar.BatchGrammarMatcher
