@@ -37,7 +37,7 @@ def isa(request, monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 13, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 64])
 @pytest.mark.parametrize(("n", "k"), [(1, 8), (37, 64), (600, 24), (130, 1040)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_gemm_matches_float64(isa, m, n, k, bias):
@@ -51,15 +51,19 @@ def test_small_gemm_matches_float64(isa, m, n, k, bias):
 
 
 @needs_native
-def test_small_gemm_rows_are_batch_invariant(isa):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_gemm_rows_are_batch_invariant(isa, dtype):
     """Each output row is the same dot products in the same order whatever M is: a request's
-    logits do not change with the number of requests decoding beside it."""
+    logits do not change with the number of requests decoding beside it (bf16 sends every
+    decode row here, so far past a tile's 6 rows; N = 1000 ends in a partial tile)."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(16, 512, generator=g), torch.randn(1000, 512, generator=g)
+    x = torch.randn(70, 512, generator=g).to(dtype)
+    w = native.pack_weight(torch.randn(1000, 512, generator=g).to(dtype))
     full = native.small_gemm(x, w, None)
-    for m in (1, 5, 8, 11):
+    for m in (1, 5, 6, 7, 8, 11, 12, 13, 64):
         assert torch.equal(native.small_gemm(x[:m], w, None), full[:m])
     assert torch.equal(native.small_gemm(x[7:8], w, None), full[7:8])
+    assert torch.equal(native.small_gemm(x[33:70], w, None), full[33:70])
 
 
 @needs_native

@@ -31,9 +31,15 @@ class Linear(nn.Module):
         self.weight = weight
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN copy of weight, see pack()
-        self.native_small = False  # few-row products use kvledger's own kernel, see pack()
+        self.small: native.GemmWeight | None = None  # the native few-row kernel's copy, see pack()
+        self.small_rows = 0  # products of at most this many rows take it
 
-    def pack(self) -> None:
+    @property
+    def native_small(self) -> bool:
+        """Few-row products take kvledger's own kernel (native.small_gemm)."""
+        return self.small is not None
+
+    def pack(self, keep_plain: bool = False) -> None:
         """Prepare the weight for the CPU's fast paths (float32 or bfloat16).
 
         Decode steps multiply a handful of rows by every weight, so they stream weights
@@ -42,35 +48,40 @@ class Linear(nn.Module):
         (docs/benchmarks.md, issue 7). Same math, different summation order. The weight is
         reordered into that layout once (float32, and bfloat16 where oneDNN has native bf16).
 
-        Products of at most SMALL_GEMM_MAX_ROWS rows (decode steps) go to native.small_gemm
-        instead when it is available: it streams the plain row-major weight near memory
-        bandwidth, faster still than the packed GEMM at those sizes (in bfloat16 it streams
-        half the bytes and accumulates in float32).
+        Products of at most native.small_gemm_max_rows() rows (decode steps) go to native.small_gemm
+        instead when it is available, on its own copy laid out for it (native.pack_weight, on
+        huge pages): it streams the weight near memory bandwidth, faster still than the packed
+        GEMM at those sizes (in bfloat16 it streams half the bytes and accumulates in float32).
+
+        With both copies made, the plain weight is no longer read and is dropped (a meta
+        tensor keeps its shape and dtype for accounting), so a weight costs two copies, not
+        three; ``keep_plain`` keeps it for a weight shared with another module (a tied head).
         """
         dt = self.weight.dtype
         if dt == torch.float32 or (dt == torch.bfloat16 and _onednn_bf16()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
-        self.native_small = (
+        if (
             native.library() is not None
             and dt in (torch.float32, torch.bfloat16)
             and self.weight.shape[1] % 8 == 0
             and (self.bias is None or (self.bias.is_contiguous() and self.bias.dtype == dt))
-        )
-        if self.native_small:
-            # The native kernel streams this copy: on huge pages (host_memory), not a view of
-            # the checkpoint's memory-mapped file.
-            self.weight = nn.Parameter(host_memory.copy_of(self.weight.detach()), requires_grad=False)
+        ):
+            self.small = native.pack_weight(self.weight, alloc=host_memory.zeros)
+            self.small_rows = native.small_gemm_max_rows()
+        if self.packed is not None and self.small is not None and not keep_plain:
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native_small and x.dim() == 2 and x.dtype == self.weight.dtype:
+        small = self.small
+        if small is not None and x.dim() == 2 and x.dtype == small.dtype:
             m = x.shape[0]
-            if m <= native.SMALL_GEMM_MAX_ROWS:
-                return native.small_gemm(x, self.weight, self.bias)
+            if m <= self.small_rows:
+                return native.small_gemm(x, small, self.bias)
             n = ROW_INVARIANT.rows if x.dtype == torch.bfloat16 else 0
             if n >= m:
-                return native.small_gemm(x, self.weight, self.bias)
+                return native.small_gemm(x, small, self.bias)
             if n > 0:  # the leading decode rows row-wise, the prefill rows through oneDNN
-                return torch.cat([native.small_gemm(x[:n], self.weight, self.bias), self._big(x[n:])])
+                return torch.cat([native.small_gemm(x[:n], small, self.bias), self._big(x[n:])])
         return self._big(x)
 
     def _big(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +100,8 @@ class _RowInvariant:
     single-token decodes, or every LM-head row) take the native row-wise GEMM whatever their
     number, so a decoding request's products never depend on how many others share its step.
     (oneDNN's bf16 kernels change with the row count and round differently from the native
-    kernel; in float32 the difference stays below the last bits that decide a token, and
-    oneDNN is faster from ~32 rows, so float32 keeps the plain <= 16-row rule.)"""
+    kernel; in float32 the difference stays below the last bits that decide a token, so
+    float32 keeps the plain row-count rule, native.small_gemm_max_rows().)"""
 
     rows: int = 0
 
@@ -168,7 +179,7 @@ def warm_up_gemm_shapes(
             shapes[key] = (m, max(rows, shapes.get(key, (m, 0))[1]))
     todo = []
     for lin, rows in shapes.values():
-        lo = native.SMALL_GEMM_MAX_ROWS + 1 if lin.native_small else 1
+        lo = lin.small_rows + 1 if lin.native_small else 1
         todo += [(b, lin) for b in sorted({gemm_rows_bucket(r) for r in range(lo, rows + 1)})]
     todo.sort(key=lambda t: t[0])
     spent, done = 0.0, 0

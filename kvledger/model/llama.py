@@ -301,15 +301,14 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()
 
     def pack_linears(self) -> None:
-        """Pack every matmul weight for oneDNN (see Linear.pack); a tied LM head gets its own
-        packed copy, and the embedding looks tokens up in the head's plain weight (one tensor)."""
+        """Pack every matmul weight for oneDNN and the native kernel (see Linear.pack); a tied
+        LM head gets its own packed copies and keeps the plain weight the embedding reads."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
         if self.lm_head is None:
             embed = self.model.embed_tokens.weight
             head = Linear(embed.shape[1], embed.shape[0], weight=embed)
-            head.pack()
-            self.model.embed_tokens.weight = head.weight  # still one tensor if pack() copied it
+            head.pack(keep_plain=True)  # the embedding still looks tokens up in it
             # Not registered as a submodule: the tied weight must not appear twice in state_dict.
             self.__dict__["tied_head"] = head

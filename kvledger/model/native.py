@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,8 +42,19 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
 }
 ISA_ENV = "KVLEDGER_NATIVE_ISA"
-# Above this many rows oneDNN's packed GEMM is faster (compute starts to matter).
-SMALL_GEMM_MAX_ROWS = 16
+# Up to this many rows the native blocked-layout GEMM is at least as fast as oneDNN's packed
+# one (AVX-512, bench-60m shapes, 8-64 rows: 1.0-1.6x, docs/benchmarks.md issue 15); the AVX2
+# build keeps the 16 rows measured for its row-major predecessor (not timed on an AVX2 CPU).
+SMALL_GEMM_MAX_ROWS = 64
+SMALL_GEMM_MAX_ROWS_AVX2 = 16
+
+
+def small_gemm_max_rows() -> int:
+    """Products of at most this many rows take small_gemm (0 where there is no library)."""
+    lib = library()
+    if lib is None:
+        return 0
+    return SMALL_GEMM_MAX_ROWS if lib.vector_width == 16 else SMALL_GEMM_MAX_ROWS_AVX2
 # Element codes of csrc/simd.h.
 ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "fp8": 4}
 
@@ -172,8 +184,11 @@ def library() -> ctypes.CDLL | None:
         logger.warning("native kernels unavailable, using torch's: %s", detail)
         return None
     i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    for fn in (lib.kvl_small_gemm, lib.kvl_small_gemm_bf16):
+    for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16):
         fn.argtypes = [ptr] * 4 + [i64] * 3 + [c_int]
+    lib.kvl_packed_weight_numel.argtypes = [i64, i64]
+    lib.kvl_packed_weight_numel.restype = i64
+    lib.kvl_pack_weight.argtypes = [ptr, ptr, i64, i64, c_int]
     lib.kvl_paged_decode.argtypes = [
         ptr, i64, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, c_int,
         i64, i64, i64, i64, c_float, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, c_int,
@@ -187,11 +202,13 @@ def library() -> ctypes.CDLL | None:
     lib.kvl_quantize_write.argtypes = [ptr, ptr, i64, c_int, ptr, i64, i64, i64, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
     lib.kvl_masked_argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, c_int]
     lib.kvl_masked_argmax.restype = c_int
-    for fn in (lib.kvl_small_gemm, lib.kvl_small_gemm_bf16, lib.kvl_paged_decode, lib.kvl_rope_inplace,
+    for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
+               lib.kvl_pack_weight, lib.kvl_bf16_packed_available, lib.kvl_paged_decode, lib.kvl_rope_inplace,
                lib.kvl_rope_inplace_bf16, lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul,
                lib.kvl_silu_mul_bf16, lib.kvl_quantize_write):
         fn.restype = c_int
     lib.isa = isa
+    lib.bf16_packed = bool(lib.kvl_bf16_packed_available())
     lib.vector_width = lib.kvl_vector_width()
     return lib
 
@@ -276,30 +293,69 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+@dataclass(frozen=True)
+class GemmWeight:
+    """A matmul weight [n, k] as the native few-row kernel reads it: in the blocked layout of
+    csrc/small_gemm.c (float32 always; bfloat16 where the build has vdpbf16ps), else row-major."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+    blocked: bool
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+
+def pack_weight(weight: torch.Tensor, alloc=torch.empty) -> GemmWeight:
+    """``weight`` [N, K] (float32 or bfloat16, K % 8 == 0) laid out for small_gemm, in memory
+    from ``alloc(shape, dtype=...)`` (host_memory.zeros puts it on huge pages)."""
+    n, k = weight.shape
+    lib = library()
+    w = weight.detach().contiguous()
+    if _bf16(w) and not lib.bf16_packed:
+        out = alloc((n, k), dtype=w.dtype)
+        out.copy_(w)
+        return GemmWeight(out, n, k, blocked=False)
+    out = alloc((lib.kvl_packed_weight_numel(n, k),), dtype=w.dtype)
+    _check(lib.kvl_pack_weight(w.data_ptr(), out.data_ptr(), n, k, w.element_size()), "pack_weight")
+    return GemmWeight(out, n, k, blocked=True)
+
+
+def small_gemm(x: torch.Tensor, weight: GemmWeight | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias) with the native kernel; CPU, float32 or bfloat16 (x,
-    weight and bias of one dtype; bf16 accumulates in float32), K % 8 == 0, weight and bias
-    contiguous (the caller checks, see Linear.forward)."""
+    weight and bias of one dtype; bf16 accumulates in float32), K % 8 == 0, bias contiguous
+    (the caller checks, see Linear.forward). A plain tensor is packed first (tests; layers keep
+    their GemmWeight)."""
+    if isinstance(weight, torch.Tensor):
+        if weight.dim() != 2 or weight.shape[1] % 8 or x.shape[-1] != weight.shape[1]:
+            raise ValueError(f"small_gemm: unsupported shape x {tuple(x.shape)} weight {tuple(weight.shape)}")
+        weight = pack_weight(weight)
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(f"small_gemm: x {x.dtype} and weight {weight.dtype} must share one dtype")
     lib = library()
-    fn = lib.kvl_small_gemm_bf16 if _bf16(weight) else lib.kvl_small_gemm
+    if _bf16(x):
+        fn = lib.kvl_small_gemm_bf16_packed if weight.blocked else lib.kvl_small_gemm_bf16
+    else:
+        fn = lib.kvl_small_gemm_packed
     x = x.contiguous()
     m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype)
+    if k != weight.k:
+        raise ValueError(f"small_gemm: x {tuple(x.shape)} against a weight of {weight.k} columns")
+    y = torch.empty(m, weight.n, dtype=x.dtype)
     rc = fn(
         x.data_ptr(),
-        weight.data_ptr(),
+        weight.data.data_ptr(),
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
         m,
-        n,
+        weight.n,
         k,
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise ValueError(f"small_gemm: unsupported shape x {tuple(x.shape)} weight {tuple(weight.shape)}")
+        raise ValueError(f"small_gemm: unsupported shape x {tuple(x.shape)} weight ({weight.n}, {weight.k})")
     return y
 
 

@@ -1,20 +1,21 @@
 /* y[M,N] = x[M,K] W[N,K]^T (+ b) for a few rows of x: the decode-step matmul.
  *
  * With few rows every weight is read once from memory and used M times, so the product is
- * bound by memory bandwidth. Streaming W in its checkpoint (row-major) layout with FMAs
- * reaches 12-16 GB/s on the 2-core CI machine, 1.2-2.5x oneDNN's packed GEMM for M <= 16
- * (docs/benchmarks.md, issue 7). No fast-math: each output is one dot product of length K
- * accumulated in VW lanes (8 AVX2, 16 AVX-512) then summed, the same rounding class as a GEMM.
+ * bound by memory bandwidth if the kernel keeps up. kvl_small_gemm_packed (float32) and
+ * kvl_small_gemm_bf16_packed (bfloat16 with vdpbf16ps) read W in a blocked layout made once at
+ * load (kvl_pack_weight, below): 20-28 GB/s of weights on one Zen 4 core up to 6 rows, where
+ * the row-major kernel they replaced managed 9-16 GB/s, and at least oneDNN's packed GEMM's
+ * speed up to 64 rows (docs/benchmarks.md, issue 15). No fast-math: each output is one chain
+ * of FMAs over k in order, a GEMM's rounding class.
  *
- * kvl_small_gemm_bf16: bfloat16 x and W (half the bytes to stream), float32 accumulation,
- * the bias added in float32, one rounding to bfloat16 at the end (as oneDNN's bf16 GEMM).
- * With avx512_bf16 the products are vdpbf16ps pairs (x stays bf16); elsewhere x is widened
- * to float32 once per call and each W vector is widened as it is loaded.
+ * bfloat16: x and W bf16 (half the bytes to stream), float32 accumulation, the bias added in
+ * float32, one rounding to bfloat16 at the end (as oneDNN's bf16 GEMM). Without avx512_bf16
+ * the row-major kvl_small_gemm_bf16 runs instead: x is widened to float32 once per call and
+ * each W vector as it is loaded.
  *
- * Threads: the N rows are split into one contiguous range per OpenMP thread (libgomp, the
- * runtime torch already loaded). Rows of x are taken 8 at a time over a block of W small
- * enough to stay in L2, so W comes from memory once even when M > 8. Each output depends only
- * on its own row of x and of W, never on M or the thread split (batch invariance).
+ * Threads: OpenMP (libgomp, the runtime torch already loaded) over contiguous ranges of output
+ * tiles. Each output depends only on its own row of x and of W, never on M, the tile or the
+ * thread split (batch invariance, tests/test_native.py).
  *
  * Built on first use by kvledger/model/native.py; K must be a multiple of 8.
  */
@@ -25,65 +26,221 @@
 
 #include "simd.h"
 
-/* Rows n0..n1 of W against MM rows of x (MM a compile-time constant: accumulators in registers). */
-#define DEFINE_TILE(MM)                                                                         \
-    static void tile_##MM(const float *x, const float *w, const float *b, float *y, int64_t N, \
-                          int64_t K, int64_t n0, int64_t n1) {                                  \
-        const int64_t K0 = K - K % VW;                                                          \
-        for (int64_t n = n0; n < n1; n++) {                                                     \
-            const float *wr = w + n * K;                                                        \
-            vf acc[MM];                                                                         \
-            for (int m = 0; m < MM; m++) acc[m] = vzero();                                      \
-            for (int64_t k = 0; k < K0; k += VW) {                                              \
-                vf wv = vload(wr + k);                                                          \
-                for (int m = 0; m < MM; m++) acc[m] = vfmadd(vload(x + m * K + k), wv, acc[m]); \
-            }                                                                                   \
-            if (K0 < K) {                                                                       \
-                vf wv = vload_tail(wr + K0, K - K0);                                            \
-                for (int m = 0; m < MM; m++)                                                    \
-                    acc[m] = vfmadd(vload_tail(x + m * K + K0, K - K0), wv, acc[m]);            \
-            }                                                                                   \
-            float bias = b ? b[n] : 0.0f;                                                       \
-            for (int m = 0; m < MM; m++) y[m * N + n] = vhsum(acc[m]) + bias;                   \
-        }                                                                                       \
-    }
+/* ---- the blocked layout ------------------------------------------------------------------
+ *
+ * In the checkpoint's row-major layout every product needs a vector of x, a vector of W and,
+ * per output, a horizontal sum; at 4-8 rows those loads and sums, not memory, bound the kernel
+ * (bf16 at 6 rows: 95 GFLOP/s per core with W in cache, 10-16 GB/s of weights from memory).
+ * kvl_pack_weight lays W out so that one vector holds VW outputs' weights at one k (bfloat16
+ * with vdpbf16ps: at one k pair), x is broadcast, and VW outputs accumulate at once with no
+ * horizontal sum:
+ *
+ *   float32:  tile t of NT = NB * VW outputs is W[t NT + b VW + j][k] at [t][k][b][j]
+ *   bfloat16: [t][k / 2][b][j][k % 2]  (b < NB, j < VW = 16; rows past N are zero)
+ *
+ * Each output is then one chain over k in order (bf16: pairs, vdpbf16ps's own rounding), the
+ * same whatever the number of rows M, the tile or the thread (batch invariance). A tile's NB
+ * weight vectors are adjacent, so W is read as one sequential stream. */
+#if VW == 16
+#define NB 4 /* MT * NB accumulators + NB weight vectors + a broadcast: 29 of 32 zmm */
+#else
+#define NB 2 /* 12 + 2 + 1 of 16 ymm */
+#endif
+#define NT (NB * VW)
+#define MT 6 /* rows of x per pass over a tile (the tile stays in L2 for the next pass) */
 
+static int64_t num_tiles(int64_t N) { return (N + NT - 1) / NT; }
+
+/* The tile's outputs for rows m0..m0+MM-1: acc (float32 sums) + bias, stored as float32 or
+ * rounded to bfloat16, the columns past N dropped. */
+static inline __attribute__((always_inline)) void store_tile(const int MM, vf acc[MT][NB], const float *bias,
+                                                             void *y, int bf16, int64_t N, int64_t n0) {
+    for (int m = 0; m < MM; m++)
+        for (int b = 0; b < NB; b++) {
+            int64_t n = n0 + b * VW;
+            if (n >= N) break;
+            float tmp[VW];
+            vf v = vadd(acc[m][b], vload(bias + b * VW));
+            int64_t cnt = N - n < VW ? N - n : VW;
+            if (bf16) {
+                uint16_t *yr = (uint16_t *)y + m * N + n;
+                if (cnt == VW) {
+                    vstore_bf16(yr, v);
+                } else {
+                    vstore(tmp, v);
+                    for (int64_t j = 0; j < cnt; j++) yr[j] = f32_to_bf16(tmp[j]);
+                }
+            } else {
+                float *yr = (float *)y + m * N + n;
+                if (cnt == VW) {
+                    vstore(yr, v);
+                } else {
+                    vstore(tmp, v);
+                    for (int64_t j = 0; j < cnt; j++) yr[j] = tmp[j];
+                }
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) void tile_f32(const int MM, const float *x, const float *wt,
+                                                           const float *bias, float *y, int64_t N,
+                                                           int64_t K, int64_t n0) {
+    vf acc[MT][NB];
+    for (int m = 0; m < MM; m++)
+        for (int b = 0; b < NB; b++) acc[m][b] = vzero();
+    for (int64_t k = 0; k < K; k++) {
+        vf w[NB];
+        for (int b = 0; b < NB; b++) w[b] = vload(wt + (k * NB + b) * VW);
+        for (int m = 0; m < MM; m++) {
+            vf xb = vset1(x[m * K + k]);
+            for (int b = 0; b < NB; b++) acc[m][b] = vfmadd(xb, w[b], acc[m][b]);
+        }
+    }
+    store_tile(MM, acc, bias, y, 0, N, n0);
+}
+
+#define DEFINE_TILE(MM)                                                                        \
+    static void tile_f32_##MM(const float *x, const float *wt, const float *bias, float *y,   \
+                              int64_t N, int64_t K, int64_t n0) {                              \
+        tile_f32(MM, x, wt, bias, y, N, K, n0);                                                \
+    }
 DEFINE_TILE(1)
 DEFINE_TILE(2)
 DEFINE_TILE(3)
 DEFINE_TILE(4)
 DEFINE_TILE(5)
 DEFINE_TILE(6)
-DEFINE_TILE(7)
-DEFINE_TILE(8)
+typedef void (*tile_f32_fn)(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t);
+static const tile_f32_fn TILES_F32[MT + 1] = {0, tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5, tile_f32_6};
 
-typedef void (*tile_fn)(const float *, const float *, const float *, float *, int64_t, int64_t,
-                        int64_t, int64_t);
-static const tile_fn TILES[9] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
+/* The tile's bias as NT float32 (zero past N or without a bias). */
+static void tile_bias(const void *b, int bf16, int64_t N, int64_t n0, float *out) {
+    for (int64_t j = 0; j < NT; j++) {
+        int64_t n = n0 + j;
+        out[j] = (!b || n >= N) ? 0.0f : bf16 ? bf16_to_f32(((const uint16_t *)b)[n]) : ((const float *)b)[n];
+    }
+}
 
-/* Returns 0, or -1 if the shape is not supported (the caller then uses another GEMM). */
-int kvl_small_gemm(const float *x, const float *w, const float *b, float *y, int64_t M,
-                   int64_t N, int64_t K, int num_threads) {
-    if (M < 1 || N < 1 || K < 8 || K % 8 != 0 || num_threads < 1) return -1;
-    /* Block of W rows revisited by each group of 8 x rows: 64 KiB-128 KiB, inside L2. */
-    const int64_t block = K >= 1024 ? 32 : 64;
-#pragma omp parallel num_threads(num_threads)
-    {
-        int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t per = ((N + nt - 1) / nt + 7) / 8 * 8;
-        int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        for (int64_t a = n0; a < n1; a += block) {
-            int64_t e = a + block < n1 ? a + block : n1;
-            for (int64_t m0 = 0; m0 < M; m0 += 8) {
-                int64_t mm = M - m0 < 8 ? M - m0 : 8;
-                TILES[mm](x + m0 * K, w, b, y + m0 * N, N, K, a, e);
-            }
+/* Element count of W in the blocked layout (NT-row tiles, the last one zero-padded). */
+int64_t kvl_packed_weight_numel(int64_t N, int64_t K) { return num_tiles(N) * NT * K; }
+
+/* Lay W [N, K] (elem_size 4: float32, 2: bfloat16) out for kvl_small_gemm*_packed; returns -1 if
+ * the layout does not exist for this build (bfloat16 without vdpbf16ps) or K is odd. */
+int kvl_pack_weight(const void *w, void *out, int64_t N, int64_t K, int elem_size) {
+    if (K < 2 || K % 2 != 0) return -1;
+    if (elem_size == 4) {
+        const float *src = w;
+        float *dst = out;
+        for (int64_t t = 0; t < num_tiles(N); t++)
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t i = 0; i < NT; i++) {
+                    int64_t n = t * NT + i;
+                    dst[(t * K + k) * NT + i] = n < N ? src[n * K + k] : 0.0f;
+                }
+        return 0;
+    }
+#if defined(KVL_AVX512BF16)
+    if (elem_size == 2) {
+        const uint16_t *src = w;
+        uint16_t *dst = out;
+        for (int64_t t = 0; t < num_tiles(N); t++)
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t i = 0; i < NT; i++) {
+                    int64_t n = t * NT + i;
+                    dst[t * NT * K + (k / 2) * NT * 2 + i * 2 + k % 2] = n < N ? src[n * K + k] : 0;
+                }
+        return 0;
+    }
+#endif
+    return -1;
+}
+
+/* 1 if this build has the blocked bfloat16 kernel (vdpbf16ps), else 0 (row-major bf16 kernel). */
+int kvl_bf16_packed_available(void) {
+#if defined(KVL_AVX512BF16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y[M,N] = x[M,K] W^T (+ b), W in the blocked layout (kvl_pack_weight). Tiles are split over
+ * the threads in contiguous ranges; each tile meets the rows of x MT at a time. */
+int kvl_small_gemm_packed(const float *x, const float *wp, const float *b, float *y, int64_t M,
+                          int64_t N, int64_t K, int num_threads) {
+    if (M < 1 || N < 1 || K < 2 || K % 2 != 0 || num_threads < 1) return -1;
+    const int64_t T = num_tiles(N);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        float bias[NT];
+        tile_bias(b, 0, N, t * NT, bias);
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            int64_t mm = M - m0 < MT ? M - m0 : MT;
+            TILES_F32[mm](x + m0 * K, wp + t * NT * K, bias, y + m0 * N, N, K, t * NT);
         }
     }
     return 0;
 }
 
-/* ---- bfloat16 ------------------------------------------------------------------------------ */
+#if defined(KVL_AVX512BF16)
+static inline __attribute__((always_inline)) void tile_bf16p(const int MM, const uint16_t *x,
+                                                             const uint16_t *wt, const float *bias,
+                                                             uint16_t *y, int64_t N, int64_t K, int64_t n0) {
+    vf acc[MT][NB];
+    for (int m = 0; m < MM; m++)
+        for (int b = 0; b < NB; b++) acc[m][b] = vzero();
+    for (int64_t k = 0; k < K; k += 2) {
+        __m512bh w[NB];
+        for (int b = 0; b < NB; b++) w[b] = (__m512bh)_mm512_loadu_si512(wt + (k * NB + 2 * b) * VW);
+        for (int m = 0; m < MM; m++) {
+            int32_t pair;
+            __builtin_memcpy(&pair, x + m * K + k, 4);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int b = 0; b < NB; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xb, w[b]);
+        }
+    }
+    store_tile(MM, acc, bias, y, 1, N, n0);
+}
+#define DEFINE_TILE_BF16P(MM)                                                                  \
+    static void tile_bf16p_##MM(const uint16_t *x, const uint16_t *wt, const float *bias,     \
+                                uint16_t *y, int64_t N, int64_t K, int64_t n0) {               \
+        tile_bf16p(MM, x, wt, bias, y, N, K, n0);                                              \
+    }
+DEFINE_TILE_BF16P(1)
+DEFINE_TILE_BF16P(2)
+DEFINE_TILE_BF16P(3)
+DEFINE_TILE_BF16P(4)
+DEFINE_TILE_BF16P(5)
+DEFINE_TILE_BF16P(6)
+typedef void (*tile_bf16p_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t);
+static const tile_bf16p_fn TILES_BF16P[MT + 1] = {0, tile_bf16p_1, tile_bf16p_2, tile_bf16p_3,
+                                                  tile_bf16p_4, tile_bf16p_5, tile_bf16p_6};
+#endif
+
+/* bfloat16 x, blocked W, bias: float32 accumulation, one rounding to bfloat16 at the end (as
+ * oneDNN's bf16 GEMM). -1 where the build has no vdpbf16ps (use kvl_small_gemm_bf16). */
+int kvl_small_gemm_bf16_packed(const uint16_t *x, const uint16_t *wp, const uint16_t *b, uint16_t *y,
+                               int64_t M, int64_t N, int64_t K, int num_threads) {
+#if defined(KVL_AVX512BF16)
+    if (M < 1 || N < 1 || K < 2 || K % 2 != 0 || num_threads < 1) return -1;
+    const int64_t T = num_tiles(N);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        float bias[NT];
+        tile_bias(b, 1, N, t * NT, bias);
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            int64_t mm = M - m0 < MT ? M - m0 : MT;
+            TILES_BF16P[mm](x + m0 * K, wp + t * NT * K, bias, y + m0 * N, N, K, t * NT);
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)wp, (void)b, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+    return -1;
+#endif
+}
+
+/* ---- bfloat16, row-major (builds without vdpbf16ps) ----------------------------------------- */
 
 #if defined(KVL_AVX512BF16)
 /* vdpbf16ps: 32 bf16 products per instruction, summed in pairs into 16 float32 lanes. */
