@@ -46,7 +46,7 @@ def row(name: str, ours: float, peer: float, peer_name: str) -> None:
 
 
 def gemms(dtype: torch.dtype) -> None:
-    print(f"== few-row GEMM ({dtype}): native.small_gemm (huge-page weight) vs oneDNN packed (Linear.pack)")
+    print(f"== few-row GEMM ({dtype}): native.small_gemm (its layout, huge pages) vs oneDNN packed (Linear.pack)")
     for n, k, name in [(768, 512, "qkv"), (512, 512, "o"), (3584, 512, "gate_up"), (512, 1792, "down"), (32000, 512, "lm_head")]:
         _gemm_case(n, k, name, dtype)
 
@@ -54,9 +54,9 @@ def gemms(dtype: torch.dtype) -> None:
 def _gemm_case(n: int, k: int, name: str, dtype: torch.dtype) -> None:
     copies = max(2, L3_BYTES // (n * k * dtype.itemsize))
     plain = [torch.randn(n, k).to(dtype) for _ in range(copies)]
-    huge = [host_memory.copy_of(w) for w in plain]
+    huge = [native.pack_weight(w, alloc=host_memory.zeros) for w in plain]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in plain]
-    for m in (1, 6, 16, 64):
+    for m in (1, 6, 8, 16, 32, 64):
         x = torch.randn(m, k).to(dtype)
         ours = timeit(lambda i, x=x: native.small_gemm(x, huge[i % copies], None), 40)
         peer = timeit(

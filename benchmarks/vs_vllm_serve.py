@@ -25,7 +25,9 @@ Figures per run: generated tok/s over the timed phase; TTFT (request sent -> fir
 carrying a token) p50/p99; inter-token latency (gap between consecutive token-bearing chunks,
 as vLLM's ``bench serve`` ITL) p50/p99; server CPU ms per generated token (utime+stime of the
 server's whole process tree: vLLM's engine core is a child), the figure least moved by other
-jobs on a shared machine; the foreign CPU (other processes' cores meanwhile).
+jobs on a shared machine, and the front end's share of it (the server's first process: HTTP,
+SSE and, for vLLM, detokenization; the rest is the engine core); the cores the server kept busy
+(server CPU / wall); the foreign CPU (other processes' cores meanwhile).
 Greedy tokens of both engines are compared request by request.
 """
 
@@ -185,6 +187,15 @@ def vllm_server(folder: Path, a: argparse.Namespace, log: Path) -> Server:
     return Server("vllm", cmd, env, log, port)
 
 
+def proc_cpu_s(pid: int) -> float:
+    """utime+stime of one process (its threads included)."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def tree_cpu_s(root: int) -> float:
     """utime+stime of ``root`` and its descendants (vLLM's engine core is a child)."""
     children: dict[int, list[int]] = {}
@@ -285,9 +296,11 @@ async def drive(
 def run_load(server: Server, workload: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
     assert server.proc is not None
     busy0, own0 = _system_busy_s(), tree_cpu_s(server.proc.pid)
+    front0 = proc_cpu_s(server.proc.pid)
     me0 = time.process_time()
     results, wall = asyncio.run(drive(server.url, workload, concurrency))
     server_cpu = tree_cpu_s(server.proc.pid) - own0
+    front_cpu = proc_cpu_s(server.proc.pid) - front0
     client_cpu = time.process_time() - me0
     foreign = max(0.0, _system_busy_s() - busy0 - server_cpu - client_cpu)
     ttft = [r.ttft for r in results if r.ttft is not None]
@@ -312,6 +325,8 @@ def run_load(server: Server, workload: list[dict[str, Any]], concurrency: int) -
         "itl_p99_ms": ms(itl, 99),
         "server_cpu_s": server_cpu,
         "server_cpu_ms_per_token": server_cpu / max(1, n_gen) * 1e3,
+        "frontend_cpu_ms_per_token": front_cpu / max(1, n_gen) * 1e3,
+        "server_cores": server_cpu / wall,
         "client_cpu_s": client_cpu,
         "foreign_cores_avg": foreign / wall,
         "errors": errors[:5],
@@ -355,7 +370,9 @@ def serve_and_measure(
                     f"  {server.engine} {n}x{c} #{rep}: {r['tok_per_s']:.0f} tok/s, TTFT p50/p99 "
                     f"{r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} ms, ITL p50/p99 "
                     f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms, server CPU "
-                    f"{r['server_cpu_ms_per_token']:.2f} ms/tok, errors {r['num_errors']}, "
+                    f"{r['server_cpu_ms_per_token']:.2f} ms/tok (front end "
+                    f"{r['frontend_cpu_ms_per_token']:.2f}), {r['server_cores']:.2f} cores busy, "
+                    f"errors {r['num_errors']}, "
                     f"foreign {r['foreign_cores_avg']:.2f} cores",
                     flush=True,
                 )
@@ -416,9 +433,9 @@ def print_table(tokenizer: str, report: dict[str, Any]) -> None:
     print(f"\n-- tokenizer {tokenizer}")
     print(
         "| load | engine | tok/s | TTFT p50 / p99 ms | inter-token p50 / p99 ms "
-        "| server CPU ms/tok | errors | foreign cores |"
+        "| server CPU ms/tok (front end) | server cores busy | errors | foreign cores |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     order = ["vllm", *kvs]
     rows = [(e, r) for e in order if report.get(e) for r in report[e]["runs"]]
     rows.sort(key=lambda er: (er[1]["concurrency"], er[1]["repeat"], order.index(er[0])))
@@ -439,7 +456,8 @@ def print_table(tokenizer: str, report: dict[str, Any]) -> None:
         print(
             f"| {load} | {e} | {r['tok_per_s']:,.0f}{ratio} | {r['ttft_p50_ms']:.1f} / "
             f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | "
-            f"{r['server_cpu_ms_per_token']:.2f} | {r['num_errors']} | {r['foreign_cores_avg']:.2f} |"
+            f"{r['server_cpu_ms_per_token']:.2f} ({r['frontend_cpu_ms_per_token']:.2f}) | "
+            f"{r['server_cores']:.2f} | {r['num_errors']} | {r['foreign_cores_avg']:.2f} |"
         )
     for e in kvs:
         if vl:

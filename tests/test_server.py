@@ -664,3 +664,17 @@ def test_penalties_and_logit_bias_reach_the_engine(client, small_llm):
     offline = small_llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].text
     plain = greedy(client, prompt, max_tokens=40).choices[0].text
     assert r.choices[0].text == offline != plain
+
+
+def test_omp_wait_defaults_spin_briefly_and_keep_the_users_choice():
+    """`kvledger serve` makes OpenMP workers spin 10,000 rounds then sleep, unless the user set
+    either variable (an ACTIVE policy must not be cut short by our spin count)."""
+    from kvledger.commands.serve import OMP_SPIN_COUNT, set_omp_wait_defaults
+
+    env: dict[str, str] = {}
+    set_omp_wait_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": OMP_SPIN_COUNT}
+    for mine in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}):
+        env = dict(mine)
+        set_omp_wait_defaults(env)
+        assert env == mine

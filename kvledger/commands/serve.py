@@ -237,11 +237,29 @@ def capacity_line(info: Any) -> str:
     )
 
 
+OMP_SPIN_COUNT = "10000"
+
+
+def set_omp_wait_defaults(env) -> None:
+    """How OpenMP workers wait between parallel regions, unless the user said
+    (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set: both kept as they are).
+
+    Workers that spin without bound (libgomp's ACTIVE) take the core the other process (front
+    end or engine core) needs: on 2 shared cores the engine core ran ~10x slower. Workers that
+    sleep at once (PASSIVE) must be woken for each of a step's ~100 parallel regions, and the
+    cores sat idle between them: bf16 60M model, 8 streams, 324-350 tok/s. Spinning a short
+    while first (GOMP_SPINCOUNT 10,000, then sleeping) bridges the gaps between one step's
+    regions but not the idle time between steps: 464-474 tok/s at 8 streams, 64 streams and the
+    tiny model within run-to-run noise (docs/benchmarks.md, issue 24).
+    """
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    env["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
+
+
 def run(args: argparse.Namespace) -> int:
-    # Before torch loads libgomp: OpenMP workers that spin-wait between parallel regions take
-    # the CPU that the other process (front end or engine core) needs. On 2 shared cores the
-    # engine core ran ~10x slower with spinning workers (docs/benchmarks.md, issue 24).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_omp_wait_defaults(os.environ)  # before torch loads libgomp
     from kvledger.ledger.accounting import parse_size
 
     level = getattr(logging, args.log_level.upper())
