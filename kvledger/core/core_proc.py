@@ -66,6 +66,18 @@ def run_engine_core(
             code = 1
             return
         engine.stream_outputs = True
+        if not torch_threads and engine.device.type == "cpu" and engine.tp == 1:
+            import torch
+
+            from kvledger.core.core_threads import MIN_SAVED_S, choose_core_threads
+
+            n = torch.get_num_threads()
+            threads, saved = choose_core_threads(engine.model, n)
+            logger.info(
+                "engine core %d: %d torch thread(s): %d save %.2f ms per decode step of matmuls"
+                " (%d kept from %.1f ms; --torch-threads N to choose)",
+                index, threads, n, saved * 1e3, n, MIN_SAVED_S * 1e3,
+            )  # fmt: skip
         out.send_multipart([wire.READY, wire.dump(EngineInfo.from_engine(engine))])
         try:
             EngineCore(engine, inp, out, parent_pid, index).run()
