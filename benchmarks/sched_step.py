@@ -30,7 +30,7 @@ def one_size(n: int, context: int, steps: int, block_size: int = 16) -> dict:
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=True, swap_space=0)
     num_blocks = n * ((context + steps + 2 * block_size) // block_size + 1)
     sched = Scheduler.build(sc, cc, num_blocks, bytes_per_token=1024)
-    no_pool = SimpleNamespace(overlay=None)  # prepare() never touches the KV tensors
+    no_pool = SimpleNamespace(overlay=None, layers=[])  # prepare() never touches the KV tensors
     runner = ModelRunner(None, no_pool, None, block_size, torch.device("cpu"))
     sp = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
     for i in range(n):

@@ -18,30 +18,32 @@ def restore_threads():
 
 def test_a_model_whose_matmuls_save_little_gets_one_thread(stories_path, restore_threads):
     model = load_model(stories_path).model
-    threads, saved = core_threads.choose_core_threads(model, 2)
+    threads, work = core_threads.choose_core_threads(model, 2)
     assert threads == 1 and torch.get_num_threads() == 1
-    assert saved < core_threads.MIN_SAVED_S  # stories260k's whole step of matmuls is ~0.03 ms
+    assert 0 < work < core_threads.MIN_WORK_S  # stories260k's whole step of matmuls: ~0.05 ms
 
 
-def test_the_saving_counts_every_layer_and_the_head_once(stories_path, restore_threads, monkeypatch):
-    """Layer 0's products stand for every layer; the LM head counts once. With 1 ms saved per
-    layer product set the decision flips at MIN_SAVED_S exactly as the sum says."""
+def test_the_work_counts_every_layer_and_the_head_once(stories_path, restore_threads, monkeypatch):
+    """Layer 0's products stand for every layer; the LM head counts once. The decision flips at
+    MIN_WORK_S exactly as that sum says, and only one-thread timings are taken."""
     model = load_model(stories_path).model
     linears, num_layers = core_threads._decode_matmuls(model)
     head = model.lm_head or model.tied_head
     assert head in linears and num_layers == len(model.model.layers) > 1
     per_layer = len(linears) - 1
+    seen = set()
 
-    def fake(saved_per_product: float):
+    def fake(seconds_per_product: float):
         def _time(lins, xs, threads, repeats=5):
-            return [0.0 if threads > 1 else saved_per_product for _ in lins]
+            seen.add(threads)
+            return [seconds_per_product for _ in lins]
 
         return _time
 
-    # each layer product saves s: total = s * (per_layer * num_layers + 1)
-    just_enough = core_threads.MIN_SAVED_S / (per_layer * num_layers + 1)
+    just_enough = core_threads.MIN_WORK_S / (per_layer * num_layers + 1)
     monkeypatch.setattr(core_threads, "_time", fake(just_enough * 1.01))
     assert core_threads.choose_core_threads(model, 2)[0] == 2 and torch.get_num_threads() == 2
     monkeypatch.setattr(core_threads, "_time", fake(just_enough * 0.99))
     assert core_threads.choose_core_threads(model, 2)[0] == 1 and torch.get_num_threads() == 1
+    assert seen == {1}
     assert core_threads.choose_core_threads(model, 1) == (1, 0.0)

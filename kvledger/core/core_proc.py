@@ -69,14 +69,14 @@ def run_engine_core(
         if not torch_threads and engine.device.type == "cpu" and engine.tp == 1:
             import torch
 
-            from kvledger.core.core_threads import MIN_SAVED_S, choose_core_threads
+            from kvledger.core.core_threads import MIN_WORK_S, choose_core_threads
 
             n = torch.get_num_threads()
-            threads, saved = choose_core_threads(engine.model, n)
+            threads, work = choose_core_threads(engine.model, n)
             logger.info(
-                "engine core %d: %d torch thread(s): %d save %.2f ms per decode step of matmuls"
-                " (%d kept from %.1f ms; --torch-threads N to choose)",
-                index, threads, n, saved * 1e3, n, MIN_SAVED_S * 1e3,
+                "engine core %d: %d torch thread(s): a decode step's matmuls take %.2f ms on one"
+                " (%d threads from %.1f ms; --torch-threads N to choose)",
+                index, threads, work * 1e3, n, MIN_WORK_S * 1e3,
             )  # fmt: skip
         out.send_multipart([wire.READY, wire.dump(EngineInfo.from_engine(engine))])
         try:

@@ -8,18 +8,19 @@ waits for it, and the worker's core is the one the front end needs. Measured on 
 streams and 1,557 -> 1,838 at 64 with one thread instead of two; the 60M model lost a fifth
 of its 64-stream throughput with one (750-800 -> 603 tok/s).
 
-So the core times its own decode-step matmuls (one decoder layer's weights, scaled by the
-number of layers, and the LM head, at a decode step's rows) with one thread and with all, and
-keeps all only if they save at least MIN_SAVED_S per step: the tiny model's whole step of
-matmuls takes ~0.2 ms (2 threads save ~0.1), the 60M model's ~5-10 ms. (The matmuls' own
-speed-up is no guide: the tiny model's are 1.8x faster with two threads, yet its steps are
-mostly host work and it serves far better with one.)
+So the core times its own decode-step matmuls with one thread (one decoder layer's weights,
+scaled by the number of layers, and the LM head, at a decode step's rows; the fastest of a few
+tries, since another process starting beside it only ever adds time) and keeps all threads only
+if that work is at least MIN_WORK_S per step: splitting less saves under ~1 ms a step, less than
+the core it takes from the front end is worth. The tiny model's step of matmuls is ~1.0 ms, the
+60M model's 7 (bf16) to 13 ms (float32). (Timing the split itself is no guide: the tiny model's matmuls are 1.8x
+faster with two threads, yet it serves far better with one; and a busy neighbour at start-up
+makes the split look slower than it is.)
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 
 import torch
@@ -27,8 +28,9 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-MIN_SAVED_S = 1e-3  # per decode step: what the extra threads must buy, since they take the front end's core
+MIN_WORK_S = 2e-3  # one thread's matmul time per decode step worth splitting
 ROWS = 16  # a decode step's rows
+ROUNDS = 3
 
 
 def _decode_matmuls(model: nn.Module) -> tuple[list, int]:
@@ -42,7 +44,8 @@ def _decode_matmuls(model: nn.Module) -> tuple[list, int]:
 
 
 def _time(linears, xs, threads: int, repeats: int = 5) -> list[float]:
-    """Median seconds per product, each linear alone."""
+    """Fastest seconds per product, each linear alone (the minimum: another process starting
+    up beside the core only ever adds time)."""
     torch.set_num_threads(threads)
     out = []
     for lin, x in zip(linears, xs, strict=True):
@@ -52,14 +55,14 @@ def _time(linears, xs, threads: int, repeats: int = 5) -> list[float]:
             t0 = time.perf_counter()
             lin(x)
             runs.append(time.perf_counter() - t0)
-        out.append(statistics.median(runs))
+        out.append(min(runs))
     return out
 
 
 @torch.inference_mode()
 def choose_core_threads(model: nn.Module, max_threads: int) -> tuple[int, float]:
-    """(threads, seconds ``max_threads`` save per decode step over one thread); leaves torch
-    set to the chosen count."""
+    """(threads, one thread's seconds of matmul per decode step); leaves torch set to the
+    chosen count."""
     linears, num_layers = _decode_matmuls(model)
     if max_threads <= 1 or not linears:
         torch.set_num_threads(max(1, max_threads))
@@ -67,9 +70,10 @@ def choose_core_threads(model: nn.Module, max_threads: int) -> tuple[int, float]
     head = getattr(model, "lm_head", None) or model.__dict__.get("tied_head")
     weights = [1 if lin is head else num_layers for lin in linears]
     xs = [torch.zeros(ROWS, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in linears]
-    one = _time(linears, xs, 1)
-    many = _time(linears, xs, max_threads)
-    saved = sum(w * (a - b) for w, a, b in zip(weights, one, many, strict=True))
-    threads = max_threads if saved >= MIN_SAVED_S else 1
+    one = [float("inf")] * len(linears)
+    for _ in range(ROUNDS):
+        one = [min(a, b) for a, b in zip(one, _time(linears, xs, 1), strict=True)]
+    work = sum(w * t for w, t in zip(weights, one, strict=True))
+    threads = max_threads if work >= MIN_WORK_S else 1
     torch.set_num_threads(threads)
-    return threads, saved
+    return threads, work
