@@ -20,13 +20,10 @@ makes the split look slower than it is.)
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 MIN_WORK_S = 2e-3  # one thread's matmul time per decode step worth splitting
 ROWS = 16  # a decode step's rows
