@@ -128,31 +128,21 @@ int64_t kvl_packed_weight_numel(int64_t N, int64_t K) { return num_tiles(N) * NT
  * the layout does not exist for this build (bfloat16 without vdpbf16ps) or K is odd. */
 int kvl_pack_weight(const void *w, void *out, int64_t N, int64_t K, int elem_size) {
     if (K < 2 || K % 2 != 0) return -1;
-    if (elem_size == 4) {
-        const float *src = w;
-        float *dst = out;
-        for (int64_t t = 0; t < num_tiles(N); t++)
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t i = 0; i < NT; i++) {
-                    int64_t n = t * NT + i;
-                    dst[(t * K + k) * NT + i] = n < N ? src[n * K + k] : 0.0f;
-                }
-        return 0;
-    }
-#if defined(KVL_AVX512BF16)
-    if (elem_size == 2) {
-        const uint16_t *src = w;
-        uint16_t *dst = out;
-        for (int64_t t = 0; t < num_tiles(N); t++)
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t i = 0; i < NT; i++) {
-                    int64_t n = t * NT + i;
-                    dst[t * NT * K + (k / 2) * NT * 2 + i * 2 + k % 2] = n < N ? src[n * K + k] : 0;
-                }
-        return 0;
-    }
+#if !defined(KVL_AVX512BF16)
+    if (elem_size == 2) return -1;
 #endif
-    return -1;
+    if (elem_size != 4 && elem_size != 2) return -1;
+    for (int64_t t = 0; t < num_tiles(N); t++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t i = 0; i < NT; i++) {
+                const int64_t n = t * NT + i, src = n * K + k;
+                if (elem_size == 4) /* [t][k][i] */
+                    ((float *)out)[(t * K + k) * NT + i] = n < N ? ((const float *)w)[src] : 0.0f;
+                else /* [t][k / 2][i][k % 2] */
+                    ((uint16_t *)out)[t * NT * K + (k / 2) * NT * 2 + i * 2 + k % 2] =
+                        n < N ? ((const uint16_t *)w)[src] : 0;
+            }
+    return 0;
 }
 
 /* 1 if this build has the blocked bfloat16 kernel (vdpbf16ps), else 0 (row-major bf16 kernel). */
@@ -162,24 +152,6 @@ int kvl_bf16_packed_available(void) {
 #else
     return 0;
 #endif
-}
-
-/* y[M,N] = x[M,K] W^T (+ b), W in the blocked layout (kvl_pack_weight). Tiles are split over
- * the threads in contiguous ranges; each tile meets the rows of x MT at a time. */
-int kvl_small_gemm_packed(const float *x, const float *wp, const float *b, float *y, int64_t M,
-                          int64_t N, int64_t K, int num_threads) {
-    if (M < 1 || N < 1 || K < 2 || K % 2 != 0 || num_threads < 1) return -1;
-    const int64_t T = num_tiles(N);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t t = 0; t < T; t++) {
-        float bias[NT];
-        tile_bias(b, 0, N, t * NT, bias);
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            int64_t mm = M - m0 < MT ? M - m0 : MT;
-            TILES_F32[mm](x + m0 * K, wp + t * NT * K, bias, y + m0 * N, N, K, t * NT);
-        }
-    }
-    return 0;
 }
 
 #if defined(KVL_AVX512BF16)
@@ -217,23 +189,45 @@ static const tile_bf16p_fn TILES_BF16P[MT + 1] = {0, tile_bf16p_1, tile_bf16p_2,
                                                   tile_bf16p_4, tile_bf16p_5, tile_bf16p_6};
 #endif
 
-/* bfloat16 x, blocked W, bias: float32 accumulation, one rounding to bfloat16 at the end (as
- * oneDNN's bf16 GEMM). -1 where the build has no vdpbf16ps (use kvl_small_gemm_bf16). */
-int kvl_small_gemm_bf16_packed(const uint16_t *x, const uint16_t *wp, const uint16_t *b, uint16_t *y,
-                               int64_t M, int64_t N, int64_t K, int num_threads) {
-#if defined(KVL_AVX512BF16)
+/* The drivers' loop: tiles split over the threads in contiguous ranges, each tile meeting the
+ * rows of x MT at a time (es: element size, 4 float32, 2 bfloat16). */
+static int run_tiles(int es, const void *x, const void *wp, const void *b, void *y, int64_t M,
+                     int64_t N, int64_t K, int num_threads) {
     if (M < 1 || N < 1 || K < 2 || K % 2 != 0 || num_threads < 1) return -1;
     const int64_t T = num_tiles(N);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < T; t++) {
         float bias[NT];
-        tile_bias(b, 1, N, t * NT, bias);
+        tile_bias(b, es == 2, N, t * NT, bias);
+        const char *wt = (const char *)wp + t * NT * K * es;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            int64_t mm = M - m0 < MT ? M - m0 : MT;
-            TILES_BF16P[mm](x + m0 * K, wp + t * NT * K, bias, y + m0 * N, N, K, t * NT);
+            const int64_t mm = M - m0 < MT ? M - m0 : MT;
+            const char *xm = (const char *)x + m0 * K * es;
+            char *ym = (char *)y + m0 * N * es;
+#if defined(KVL_AVX512BF16)
+            if (es == 2) {
+                TILES_BF16P[mm]((const uint16_t *)xm, (const uint16_t *)wt, bias, (uint16_t *)ym, N, K, t * NT);
+                continue;
+            }
+#endif
+            TILES_F32[mm]((const float *)xm, (const float *)wt, bias, (float *)ym, N, K, t * NT);
         }
     }
     return 0;
+}
+
+/* y[M,N] = x[M,K] W^T (+ b), float32, W in the blocked layout (kvl_pack_weight). */
+int kvl_small_gemm_packed(const float *x, const float *wp, const float *b, float *y, int64_t M,
+                          int64_t N, int64_t K, int num_threads) {
+    return run_tiles(4, x, wp, b, y, M, N, K, num_threads);
+}
+
+/* bfloat16 x, blocked W, bias: float32 accumulation, one rounding to bfloat16 at the end (as
+ * oneDNN's bf16 GEMM). -1 where the build has no vdpbf16ps (use kvl_small_gemm_bf16). */
+int kvl_small_gemm_bf16_packed(const uint16_t *x, const uint16_t *wp, const uint16_t *b, uint16_t *y,
+                               int64_t M, int64_t N, int64_t K, int num_threads) {
+#if defined(KVL_AVX512BF16)
+    return run_tiles(2, x, wp, b, y, M, N, K, num_threads);
 #else
     (void)x, (void)wp, (void)b, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
     return -1;
