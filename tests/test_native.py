@@ -67,6 +67,28 @@ def test_small_gemm_rows_are_batch_invariant(isa, dtype):
 
 
 @needs_native
+def test_a_weight_packed_for_one_build_is_refused_by_another(monkeypatch):
+    """The blocked layout's tile width follows the build's vector width: a weight packed under
+    AVX-512 must not be read by the AVX2 kernels (wrong products, silently) but refused."""
+    if not {"avx2", "avx512"} <= set(native.cpu_isas()):
+        pytest.skip("needs a CPU with both instruction sets")
+    w = torch.randn(100, 64)
+    monkeypatch.setenv(native.ISA_ENV, "avx512")
+    native.library.cache_clear()
+    packed = native.pack_weight(w)
+    monkeypatch.setenv(native.ISA_ENV, "avx2")
+    native.library.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="laid out for 16-lane kernels"):
+            native.small_gemm(torch.randn(3, 64), packed, None)
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(native.small_gemm(x, native.pack_weight(w), None), x @ w.T, atol=1e-4, rtol=1e-4)
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+
+
+@needs_native
 def test_small_gemm_rejects_unsupported_shapes():
     with pytest.raises(ValueError, match="unsupported shape"):
         native.small_gemm(torch.randn(2, 12), torch.randn(4, 12), None)

@@ -302,6 +302,7 @@ class GemmWeight:
     n: int
     k: int
     blocked: bool
+    lanes: int  # the vector width of the build that laid it out (the tile width follows it)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -317,10 +318,10 @@ def pack_weight(weight: torch.Tensor, alloc=torch.empty) -> GemmWeight:
     if _bf16(w) and not lib.bf16_packed:
         out = alloc((n, k), dtype=w.dtype)
         out.copy_(w)
-        return GemmWeight(out, n, k, blocked=False)
+        return GemmWeight(out, n, k, blocked=False, lanes=lib.vector_width)
     out = alloc((lib.kvl_packed_weight_numel(n, k),), dtype=w.dtype)
     _check(lib.kvl_pack_weight(w.data_ptr(), out.data_ptr(), n, k, w.element_size()), "pack_weight")
-    return GemmWeight(out, n, k, blocked=True)
+    return GemmWeight(out, n, k, blocked=True, lanes=lib.vector_width)
 
 
 def small_gemm(x: torch.Tensor, weight: GemmWeight | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -335,6 +336,11 @@ def small_gemm(x: torch.Tensor, weight: GemmWeight | torch.Tensor, bias: torch.T
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(f"small_gemm: x {x.dtype} and weight {weight.dtype} must share one dtype")
     lib = library()
+    if weight.blocked and weight.lanes != lib.vector_width:
+        raise ValueError(
+            f"small_gemm: weight laid out for {weight.lanes}-lane kernels, the loaded build has "
+            f"{lib.vector_width} (pack it again after changing {ISA_ENV})"
+        )
     if _bf16(x):
         fn = lib.kvl_small_gemm_bf16_packed if weight.blocked else lib.kvl_small_gemm_bf16
     else:
