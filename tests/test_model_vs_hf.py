@@ -338,17 +338,23 @@ def test_packed_linears_cover_every_matmul_and_match_plain_ones(tmp_path):
     ref = plain.model.model.layers[0].self_attn.qkv_proj
     assert qkv.bias is not None
     # Both fast copies made: the plain weight is dropped (shape and dtype kept for accounting),
-    # except the tied head's, which the embedding reads.
+    # the tied head's too: the embedding then reads its rows from the head's native copy.
+    embed = packed.model.model.embed_tokens
     if qkv.native_small:
         assert qkv.weight.is_meta and qkv.weight.shape == ref.weight.shape
-        assert not packed.model.tied_head.weight.is_meta
-        assert packed.model.tied_head.weight is packed.model.model.embed_tokens.weight
+        assert packed.model.tied_head.weight.is_meta and embed.rows_from is packed.model.tied_head.small
+    assert packed.model.tied_head.weight is embed.weight
+    ids = torch.tensor([[0, 5, cfg.vocab_size - 1], [7, 7, 1]])
+    assert torch.equal(embed(ids), plain.model.model.embed_tokens(ids))
     for rows in (x, torch.cat([x] * 10)):  # the native few-row GEMM, then oneDNN
         want = torch.nn.functional.linear(rows, ref.weight, ref.bias)
         torch.testing.assert_close(qkv(rows), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed.model.compute_logits(x), plain.model.compute_logits(x), atol=1e-5, rtol=1e-5)
-    bf16 = load_model(tmp_path, dtype="bfloat16").model.model.layers[0].self_attn.qkv_proj
-    ref16 = load_model(tmp_path, dtype="bfloat16", pack_linear=False).model.model.layers[0].self_attn.qkv_proj
+    bf16_model = load_model(tmp_path, dtype="bfloat16").model
+    ref16_model = load_model(tmp_path, dtype="bfloat16", pack_linear=False).model
+    assert torch.equal(bf16_model.model.embed_tokens(ids), ref16_model.model.embed_tokens(ids))
+    bf16 = bf16_model.model.layers[0].self_attn.qkv_proj
+    ref16 = ref16_model.model.layers[0].self_attn.qkv_proj
     assert (bf16.packed is not None) == _onednn_bf16()
     assert bf16.native_small == (native.library() is not None)
     xb = x.bfloat16()

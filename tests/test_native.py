@@ -79,7 +79,7 @@ def test_a_weight_packed_for_one_build_is_refused_by_another(monkeypatch):
     monkeypatch.setenv(native.ISA_ENV, "avx2")
     native.library.cache_clear()
     try:
-        with pytest.raises(ValueError, match="laid out for 16-lane kernels"):
+        with pytest.raises(ValueError, match="laid out in tiles of 64 outputs, the loaded build.s are 16"):
             native.small_gemm(torch.randn(3, 64), packed, None)
         x = torch.randn(3, 64)
         torch.testing.assert_close(native.small_gemm(x, native.pack_weight(w), None), x @ w.T, atol=1e-4, rtol=1e-4)

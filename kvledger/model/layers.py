@@ -39,7 +39,7 @@ class Linear(nn.Module):
         """Few-row products take kvledger's own kernel (native.small_gemm)."""
         return self.small is not None
 
-    def pack(self, keep_plain: bool = False) -> None:
+    def pack(self) -> None:
         """Prepare the weight for the CPU's fast paths (float32 or bfloat16).
 
         Decode steps multiply a handful of rows by every weight, so they stream weights
@@ -55,7 +55,7 @@ class Linear(nn.Module):
 
         With both copies made, the plain weight is no longer read and is dropped (a meta
         tensor keeps its shape and dtype for accounting), so a weight costs two copies, not
-        three; ``keep_plain`` keeps it for a weight shared with another module (a tied head).
+        three (a tied embedding then reads its rows from the native copy, see pack_linears).
         """
         dt = self.weight.dtype
         if dt == torch.float32 or (dt == torch.bfloat16 and _onednn_bf16()):
@@ -68,7 +68,7 @@ class Linear(nn.Module):
         ):
             self.small = native.pack_weight(self.weight, alloc=host_memory.zeros)
             self.small_rows = native.small_gemm_max_rows()
-        if self.packed is not None and self.small is not None and not keep_plain:
+        if self.packed is not None and self.small is not None:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,8 +207,12 @@ class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        # Tied to a packed LM head whose plain weight was dropped: rows read from its native copy.
+        self.rows_from: native.GemmWeight | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.rows_from is not None:
+            return native.weight_rows(self.rows_from, ids.reshape(-1)).view(*ids.shape, -1)
         return F.embedding(ids, self.weight)
 
 

@@ -302,13 +302,20 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linears(self) -> None:
         """Pack every matmul weight for oneDNN and the native kernel (see Linear.pack); a tied
-        LM head gets its own packed copies and keeps the plain weight the embedding reads."""
+        LM head gets its own packed copies, and the embedding looks tokens up in the head's
+        plain weight, or in its native copy once the plain one is dropped (one tensor either way)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
         if self.lm_head is None:
             embed = self.model.embed_tokens.weight
             head = Linear(embed.shape[1], embed.shape[0], weight=embed)
-            head.pack(keep_plain=True)  # the embedding still looks tokens up in it
+            head.pack()
+            emb = self.model.embed_tokens
+            if head.weight.is_meta:  # its plain copy dropped (Linear.pack)
+                if isinstance(emb, Embedding):  # rows from the native copy; meta for accounting
+                    emb.weight, emb.rows_from = head.weight, head.small
+                else:  # a tensor-parallel slice reads its plain rows itself: the head keeps them
+                    head.weight = emb.weight
             # Not registered as a submodule: the tied weight must not appear twice in state_dict.
             self.__dict__["tied_head"] = head

@@ -209,6 +209,7 @@ def library() -> ctypes.CDLL | None:
         fn.restype = c_int
     lib.isa = isa
     lib.bf16_packed = bool(lib.kvl_bf16_packed_available())
+    lib.tile_width = lib.kvl_packed_tile_width()
     lib.vector_width = lib.kvl_vector_width()
     return lib
 
@@ -302,7 +303,7 @@ class GemmWeight:
     n: int
     k: int
     blocked: bool
-    lanes: int  # the vector width of the build that laid it out (the tile width follows it)
+    tile: int  # outputs per tile of the build that laid it out (its vector width sets it)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -318,10 +319,23 @@ def pack_weight(weight: torch.Tensor, alloc=torch.empty) -> GemmWeight:
     if _bf16(w) and not lib.bf16_packed:
         out = alloc((n, k), dtype=w.dtype)
         out.copy_(w)
-        return GemmWeight(out, n, k, blocked=False, lanes=lib.vector_width)
+        return GemmWeight(out, n, k, blocked=False, tile=lib.tile_width)
     out = alloc((lib.kvl_packed_weight_numel(n, k),), dtype=w.dtype)
     _check(lib.kvl_pack_weight(w.data_ptr(), out.data_ptr(), n, k, w.element_size()), "pack_weight")
-    return GemmWeight(out, n, k, blocked=True, lanes=lib.vector_width)
+    return GemmWeight(out, n, k, blocked=True, tile=lib.tile_width)
+
+
+def weight_rows(weight: GemmWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (1-D) of the [n, k] weight, read back from its layout: the lookup of an
+    embedding tied to a packed LM head, so that the plain copy need not be kept for it."""
+    if not weight.blocked:
+        return weight.data[ids]
+    tile = weight.tile
+    t, i = ids // tile, ids % tile
+    if weight.dtype == torch.float32:  # [tile][k][lane]
+        return weight.data.view(-1, weight.k, tile)[t, :, i]
+    pairs = weight.data.view(-1, weight.k // 2, tile, 2)[t, :, i]  # [tile][k / 2][lane][k % 2]
+    return pairs.reshape(ids.shape[0], weight.k)
 
 
 def small_gemm(x: torch.Tensor, weight: GemmWeight | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -336,10 +350,10 @@ def small_gemm(x: torch.Tensor, weight: GemmWeight | torch.Tensor, bias: torch.T
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(f"small_gemm: x {x.dtype} and weight {weight.dtype} must share one dtype")
     lib = library()
-    if weight.blocked and weight.lanes != lib.vector_width:
+    if weight.blocked and weight.tile != lib.tile_width:
         raise ValueError(
-            f"small_gemm: weight laid out for {weight.lanes}-lane kernels, the loaded build has "
-            f"{lib.vector_width} (pack it again after changing {ISA_ENV})"
+            f"small_gemm: weight laid out in tiles of {weight.tile} outputs, the loaded build's "
+            f"are {lib.tile_width} (pack it again after changing {ISA_ENV})"
         )
     if _bf16(x):
         fn = lib.kvl_small_gemm_bf16_packed if weight.blocked else lib.kvl_small_gemm_bf16

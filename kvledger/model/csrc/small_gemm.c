@@ -124,6 +124,9 @@ static void tile_bias(const void *b, int bf16, int64_t N, int64_t n0, float *out
 /* Element count of W in the blocked layout (NT-row tiles, the last one zero-padded). */
 int64_t kvl_packed_weight_numel(int64_t N, int64_t K) { return num_tiles(N) * NT * K; }
 
+/* Outputs per tile of the blocked layout (its row n sits in tile n / NT, lane n % NT). */
+int kvl_packed_tile_width(void) { return NT; }
+
 /* Lay W [N, K] (elem_size 4: float32, 2: bfloat16) out for kvl_small_gemm*_packed; returns -1 if
  * the layout does not exist for this build (bfloat16 without vdpbf16ps) or K is odd. */
 int kvl_pack_weight(const void *w, void *out, int64_t N, int64_t K, int elem_size) {
