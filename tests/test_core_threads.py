@@ -27,9 +27,10 @@ def test_the_work_counts_every_layer_and_the_head_once(stories_path, restore_thr
     """Layer 0's products stand for every layer; the LM head counts once. The decision flips at
     MIN_WORK_S exactly as that sum says, and only one-thread timings are taken."""
     model = load_model(stories_path).model
-    linears, num_layers = core_threads._decode_matmuls(model)
-    head = model.lm_head or model.tied_head
-    assert head in linears and num_layers == len(model.model.layers) > 1
+    linears, runs = core_threads._decode_matmuls(model)
+    num_layers = len(model.model.layers)
+    assert linears[-1] is model.head and runs[-1] == 1 and num_layers > 1
+    assert runs[:-1] == [num_layers] * (len(linears) - 1)
     per_layer = len(linears) - 1
     seen = set()
 

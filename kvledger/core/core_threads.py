@@ -27,17 +27,17 @@ from torch import nn
 
 MIN_WORK_S = 2e-3  # one thread's matmul time per decode step worth splitting
 ROWS = 16  # a decode step's rows
-ROUNDS = 3
+REPEATS = 15
 
 
-def _decode_matmuls(model: nn.Module) -> tuple[list, int]:
-    """One decoder layer's matmuls and the LM head, with the number of layers."""
+def _decode_matmuls(model: nn.Module) -> tuple[list, list[int]]:
+    """One decoder layer's matmuls and the LM head, with how many times a step runs each."""
     from kvledger.model.layers import Linear
 
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
-    head = getattr(model, "lm_head", None) or model.__dict__.get("tied_head")
-    mods = [*(layers[0].modules() if layers else []), head]
-    return [m for m in mods if isinstance(m, Linear)], len(layers)
+    layers = model.model.layers
+    linears = [m for m in layers[0].modules() if isinstance(m, Linear)]
+    head = [model.head] if model.head is not None else []  # None: tied and unpacked (F.linear)
+    return [*linears, *head], [len(layers)] * len(linears) + [1] * len(head)
 
 
 def _time(linears, xs, threads: int, repeats: int = 5) -> list[float]:
@@ -60,17 +60,12 @@ def _time(linears, xs, threads: int, repeats: int = 5) -> list[float]:
 def choose_core_threads(model: nn.Module, max_threads: int) -> tuple[int, float]:
     """(threads, one thread's seconds of matmul per decode step); leaves torch set to the
     chosen count."""
-    linears, num_layers = _decode_matmuls(model)
-    if max_threads <= 1 or not linears:
+    if max_threads <= 1:
         torch.set_num_threads(max(1, max_threads))
         return max(1, max_threads), 0.0
-    head = getattr(model, "lm_head", None) or model.__dict__.get("tied_head")
-    weights = [1 if lin is head else num_layers for lin in linears]
+    linears, runs = _decode_matmuls(model)
     xs = [torch.zeros(ROWS, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in linears]
-    one = [float("inf")] * len(linears)
-    for _ in range(ROUNDS):
-        one = [min(a, b) for a, b in zip(one, _time(linears, xs, 1), strict=True)]
-    work = sum(w * t for w, t in zip(weights, one, strict=True))
+    work = sum(n * t for n, t in zip(runs, _time(linears, xs, 1, repeats=REPEATS), strict=True))
     threads = max_threads if work >= MIN_WORK_S else 1
     torch.set_num_threads(threads)
     return threads, work

@@ -168,7 +168,7 @@ def warm_up_gemm_shapes(
     Layer weights see up to ``max_rows`` rows (a step's token budget), the LM head ``head_rows``
     (one per sampled request). Returns (GEMMs run, of how many shapes in all).
     """
-    head = getattr(model, "lm_head", None) or model.__dict__.get("tied_head")
+    head = model.head
     shapes: dict[tuple, tuple[Linear, int]] = {}
     for m in [*model.modules(), head]:
         if isinstance(m, Linear) and m.packed is not None:

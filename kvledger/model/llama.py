@@ -284,10 +284,15 @@ class LlamaForCausalLM(nn.Module):
                 h = layer(h, r, meta, kv_cache, backend)
         return self.model.norm(h)
 
+    @property
+    def head(self) -> Linear | None:
+        """The LM head's matmul: lm_head, or a tied head's packed copy (None: unpacked and tied)."""
+        return self.lm_head if self.lm_head is not None else self.tied_head
+
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] → float32 logits [N, vocab]; pass only the rows that need logits."""
-        head = self.lm_head if self.lm_head is not None else self.tied_head
+        head = self.head
         if head is not None:
             with ROW_INVARIANT.leading(hidden_states.shape[0]):  # one row per request
                 logits = head(hidden_states)
