@@ -18,6 +18,8 @@ string can span, and streams get the text the stop-string holdback lets out (vLL
 
 from __future__ import annotations
 
+import io
+
 from kvledger.sampling_params import SamplingParams
 
 _PRIME_TOKENS = 6  # prompt tokens replayed into a new stream: enough for any leading-space rule
@@ -28,7 +30,12 @@ class IncrementalDetokenizer:
     """Text bookkeeping shared by every backend; on its own (no tokenizer) it yields no text."""
 
     def __init__(self, params: SamplingParams) -> None:
-        self.output_text = ""
+        # The text so far. A str attribute grown with += is copied whole on every token (CPython
+        # appends in place only to local variables), O(n) per token at long outputs; a StringIO
+        # appends in amortised O(1) and reads a tail in O(tail), so only a cumulative or final
+        # output pays for the whole text.
+        self._text = io.StringIO()
+        self._len = 0
         self.stop = list(params.stop)
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
@@ -75,13 +82,13 @@ class IncrementalDetokenizer:
         if stop_terminated and not self.include_stop_str_in_output and new_token_ids:
             new_token_ids = new_token_ids[:-1]
             self.num_output_tokens += 1
-        check_from = len(self.output_text)
+        check_from = self._len
         for t in new_token_ids:
-            self.output_text += self.decode_next(t)
+            self._append(self.decode_next(t))
             self.num_output_tokens += 1
             if self.num_output_tokens <= self.min_tokens:
-                check_from = len(self.output_text)  # text before min_tokens never stops
-        if not self.stop or len(self.output_text) == check_from:
+                check_from = self._len  # text before min_tokens never stops
+        if not self.stop or self._len == check_from:
             return None
         return self._check_stop_strings(check_from)
 
@@ -89,32 +96,52 @@ class IncrementalDetokenizer:
         """The sequence ended: let out any held-back bytes (none after a stop string)."""
         if not self._done:
             self._done = True
-            self.output_text += self.flush()
+            self._append(self.flush())
+
+    @property
+    def output_text(self) -> str:
+        """The whole text so far (a copy: O(length))."""
+        return self._text.getvalue()
+
+    def _append(self, piece: str) -> None:
+        if piece:
+            self._text.seek(self._len)
+            self._text.write(piece)
+            self._len += len(piece)
+
+    def _tail(self, start: int) -> str:
+        """The text from character ``start`` on, in O(len - start)."""
+        self._text.seek(start)
+        return self._text.read()
 
     def _check_stop_strings(self, check_from: int) -> str | None:
-        text, hits = self.output_text, []
+        # Only the new text, plus the chars before it that a stop string can span.
+        start = max(0, check_from - max(len(s) for s in self.stop) + 1)
+        window, hits = self._tail(start), []
         for s in self.stop:
-            i = text.find(s, max(0, check_from - len(s) + 1))
+            i = window.find(s, max(0, check_from - len(s) + 1) - start)
             if i >= 0:
-                hits.append((i, s))
+                hits.append((start + i, s))
         if not hits:
             return None
         pos, stop = min(hits)  # the earliest match wins
         self._done = True
-        self.output_text = text[: pos + (len(stop) if self.include_stop_str_in_output else 0)]
+        self._len = pos + (len(stop) if self.include_stop_str_in_output else 0)
+        self._text.seek(self._len)
+        self._text.truncate()
         return stop
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The whole text so far, or (``delta``) what is new since the last call."""
         buf = 0 if finished else self.stop_buffer_length
-        end = len(self.output_text) - buf
+        end = self._len - buf
         if not delta:
             return self.output_text[:end] if buf else self.output_text
         start = self._sent_chars
         if start >= end:
             return ""
         self._sent_chars = end
-        return self.output_text[start:end]
+        return self._tail(start)[: end - start]
 
 
 class FastIncrementalDetokenizer(IncrementalDetokenizer):
