@@ -13,12 +13,20 @@ measures, in one run:
   (scheduling, bookkeeping, detokenization, stop checks, building outputs);
 * ITL - model time per step: all host work (engine, asyncio, JSON, SSE, the client's parsing).
 
+Per-step figures are medians over the window. The same host code runs slower after a long
+attention (it has swept the caches), so ``--control on|both`` adds a control run: after every
+step, outside every timing, a dummy attention tops the step's attention up to the late window's
+size, making the attention work (and its aftermath) the same at both positions; what still
+grows then is host work that grows with the output. ``--repeats N`` prints the median and range
+of each late/early ratio over N runs.
+
 Peer: the same benchmark against kvledger before this change (``--baseline-rev``, default
 8d031f8: whole-output re-decodes), its source unpacked from git into a temporary folder and
 served from there (the version measured is unpacked from git too: ``--rev``, default HEAD). The model is the embedded ``kvledger-tiny`` (byte-level BPE, random
 weights) with its context raised to 4,608 positions (RoPE needs no other change).
 
     python -m benchmarks.stream_overhead [--streams 1 16] [--tokens 4100] [--baseline-rev REV]
+        [--repeats N] [--control off|on|both]
 """
 
 from __future__ import annotations
@@ -44,7 +52,13 @@ MAX_LEN = 4608
 
 
 # -- the server side (runs in a subprocess, with the kvledger under test on sys.path) ---------
-def serve(port: int, model: str, max_num_seqs: int) -> None:
+def serve(port: int, model: str, max_num_seqs: int, control_tokens: int = 0) -> None:
+    """``control_tokens`` > 0: after every model step, outside every timing, one decode attention
+    per layer over ``max_num_seqs`` dummy contexts (distinct blocks of the pool) of
+    ``control_tokens`` less the real context, so that the attention each step does, real plus
+    dummy, is the same at every position. What attention's growth does to the code after it
+    (cold caches and TLBs, besides its own time) is then the same early and late, and a
+    late/early ratio above 1 is host work that grows."""
     import torch
     import uvicorn
     from fastapi.responses import JSONResponse
@@ -63,27 +77,38 @@ def serve(port: int, model: str, max_num_seqs: int) -> None:
             calibrate_preemption=False,
         )
     )
-    # Per step: (context length, model s, whole step s, model CPU s, whole step CPU s, the
-    # server process's CPU s so far). CPU times (this thread's; torch runs on it with 1 thread)
+    # Per step: (context length, model s, whole step s less the control, model CPU s, whole step
+    # CPU s less the control, the server process's CPU s so far less the control's, control s).
+    # CPU times (this thread's; torch runs on it with 1 thread)
     # do not count the time the OS gives other processes, so they hold on a loaded machine.
-    steps: list[tuple[int, float, float, float, float, float]] = []
+    steps: list[tuple[int, float, float, float, float, float, float]] = []
     execute, step = engine.runner.execute, engine.step
-    model_s = [0.0, 0, 0.0]
+    model_s = [0.0, 0, 0.0, 0.0, 0.0]  # model wall, context, model CPU, control wall, control CPU
+    control = _control_attention(engine, max_num_seqs, control_tokens) if control_tokens else None
 
     def timed_execute(so):
         t0, c0 = time.perf_counter(), time.thread_time()
         out = execute(so)
-        model_s[0], model_s[2] = time.perf_counter() - t0, time.thread_time() - c0
+        t1, c1 = time.perf_counter(), time.thread_time()
+        model_s[0], model_s[2] = t1 - t0, c1 - c0
         model_s[1] = max((s.request.num_computed_tokens for s in so.scheduled), default=0)
+        if control is not None:
+            control(model_s[1])
+            model_s[3], model_s[4] = time.perf_counter() - t1, time.thread_time() - c1
         return out
 
     def timed_step():
         t0, c0 = time.perf_counter(), time.thread_time()
         outs = step()
-        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        steps.append((model_s[1], model_s[0], wall, model_s[2], cpu, time.process_time()))
+        wall, cpu = time.perf_counter() - t0 - model_s[3], time.thread_time() - c0 - model_s[4]
+        control_cpu[0] += model_s[4]
+        steps.append(
+            (model_s[1], model_s[0], wall, model_s[2], cpu, time.process_time() - control_cpu[0], model_s[3])
+        )
+        model_s[3] = model_s[4] = 0.0
         return outs
 
+    control_cpu = [0.0]  # the control attention's CPU so far, left out of the process CPU
     engine.runner.execute = timed_execute
     engine.step = timed_step
     app = build_app(engine, ServerConfig(served_model_names=["m"], model_path=model))
@@ -95,6 +120,33 @@ def serve(port: int, model: str, max_num_seqs: int) -> None:
         return JSONResponse(data)
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def _control_attention(engine, rows: int, tokens: int):
+    """A closure running native.paged_decode, given the real context, over `rows` contexts of
+    `tokens` less that in every layer cache: each row reads its own blocks (wrapping round the
+    pool), values as they are."""
+    import torch
+
+    from kvledger.model import native
+
+    caches = engine.runner.layer_caches
+    num_blocks, block_size, num_kv_heads, head_dim = caches[0].k.shape
+    cfg = engine.runner.model.config
+    num_heads = cfg.num_heads
+    per_row = -(-tokens // block_size)
+    tables = (torch.arange(rows * per_row, dtype=torch.int64) % num_blocks).view(rows, per_row)
+    seq_lens = torch.full((rows,), tokens, dtype=torch.int64)
+    idx = torch.arange(rows, dtype=torch.int64)
+    q = torch.zeros(rows, num_heads, head_dim)
+    out = torch.empty(rows, num_heads * head_dim)
+
+    def run(context: int) -> None:
+        seq_lens.fill_(max(1, tokens - context))
+        for c in caches:
+            native.paged_decode(q, c, tables, seq_lens, idx, out, 1.0)
+
+    return run
 
 
 def calls_per_step(model: str, tokens: int) -> dict:
@@ -162,7 +214,8 @@ async def stream_one(client, prompt: list[int], tokens: int) -> list[float]:
 
 
 def window_itl(times: list[float], lo: int, hi: int) -> float:
-    return (times[hi] - times[lo]) / (hi - lo)
+    """Median gap between consecutive tokens in positions [lo, hi)."""
+    return statistics.median(b - a for a, b in zip(times[lo:hi], times[lo + 1 : hi + 1]))
 
 
 def cpu_s(pid: int) -> float:
@@ -175,14 +228,17 @@ def busy_s() -> float:
     return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def run_one(src: Path, model: Path, streams: int, tokens: int) -> dict:
+def run_one(src: Path, model: Path, streams: int, tokens: int, control_tokens: int = 0) -> dict:
     import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{REPO_ROOT}", "TOKENIZERS_PARALLELISM": "false"}
-    code = f"from benchmarks.stream_overhead import serve; serve({port}, {str(model)!r}, {streams})"
+    code = (
+        f"from benchmarks.stream_overhead import serve;"
+        f" serve({port}, {str(model)!r}, {streams}, {control_tokens})"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], env=env, cwd=src, start_new_session=True
     )
@@ -214,22 +270,25 @@ def run_one(src: Path, model: Path, streams: int, tokens: int) -> dict:
     finally:
         kill_group(proc)
     res = {"streams": streams, "wall_s": wall, "foreign_cores": max(0.0, foreign) / wall}
+    # Medians per step: a GC pass or a time slice lost to another process moves a window's mean
+    # by more than the differences measured here, and not its median.
+    med = statistics.median
     for name, (lo, hi) in (("early", EARLY), ("late", LATE)):
-        itl = statistics.median(window_itl(t, lo, hi) for t in all_times)
-        window = [r for r in steps if lo + 8 <= r[0] < hi + 8]
-        m = statistics.fmean(r[1] for r in window)
-        st = statistics.fmean(r[2] for r in window)
-        m_cpu = statistics.fmean(r[3] for r in window)
-        st_cpu = statistics.fmean(r[4] for r in window)
-        # The whole server's CPU per step over the window (engine, event loop, JSON, SSE).
-        proc_cpu = (window[-1][5] - window[0][5]) / max(1, len(window) - 1)
+        itl = med(window_itl(t, lo, hi) for t in all_times)
+        idx = [i for i, r in enumerate(steps) if i > 0 and lo + 8 <= r[0] < hi + 8]
+        window = [steps[i] for i in idx]
+        m = med(r[1] for r in window)
+        ctl = med(r[6] for r in window)  # the control's time, in the client's gaps too
+        # The whole server's CPU per step (engine, event loop, JSON, SSE) less the model's.
+        proc_cpu = med(steps[i][5] - steps[i - 1][5] - steps[i][3] for i in idx)
         res[name] = {
             "itl_ms": 1e3 * itl,
             "model_ms": 1e3 * m,
-            "engine_overhead_ms": 1e3 * (st - m),
-            "overhead_ms": 1e3 * (itl - m),
-            "engine_overhead_cpu_ms": 1e3 * (st_cpu - m_cpu),
-            "server_host_cpu_ms": 1e3 * (proc_cpu - m_cpu),
+            "engine_overhead_ms": 1e3 * med(r[2] - r[1] for r in window),
+            "overhead_ms": 1e3 * (itl - m - ctl),
+            "control_ms": 1e3 * ctl,
+            "engine_overhead_cpu_ms": 1e3 * med(r[4] - r[3] for r in window),
+            "server_host_cpu_ms": 1e3 * proc_cpu,
         }
     return res
 
@@ -256,18 +315,58 @@ def unpack_rev(rev: str, into: Path) -> Path:
     return into
 
 
+def print_run(r: dict) -> None:
+    e, lt = r["early"], r["late"]
+    tag = " control" if r["control_tokens"] else ""
+    print(
+        f"{r['version']:<24} {r['streams']:>2} streams{tag} | ITL ms {e['itl_ms']:6.2f} -> {lt['itl_ms']:6.2f}"
+        f" | model ms/step {e['model_ms']:6.2f} -> {lt['model_ms']:6.2f}"
+        f" (x{lt['model_ms'] / e['model_ms']:.2f})"
+        f" | engine overhead ms/step {e['engine_overhead_ms']:5.3f} -> "
+        f"{lt['engine_overhead_ms']:5.3f} (x{lt['engine_overhead_ms'] / e['engine_overhead_ms']:.2f})"
+        f" | ITL - model ms {e['overhead_ms']:5.3f} -> {lt['overhead_ms']:5.3f}"
+        f" (x{lt['overhead_ms'] / e['overhead_ms']:.2f})"
+        f" | foreign CPU {r['foreign_cores']:.2f} cores",
+        flush=True,
+    )
+    print(
+        f"{'':<24} {'':>2}  CPU time | engine overhead ms/step"
+        f" {e['engine_overhead_cpu_ms']:5.3f} -> {lt['engine_overhead_cpu_ms']:5.3f}"
+        f" (x{lt['engine_overhead_cpu_ms'] / e['engine_overhead_cpu_ms']:.2f}) | server host CPU ms/step"
+        f" {e['server_host_cpu_ms']:5.3f} -> {lt['server_host_cpu_ms']:5.3f}"
+        f" (x{lt['server_host_cpu_ms'] / e['server_host_cpu_ms']:.2f})",
+        flush=True,
+    )
+
+
+RATIOS = (
+    ("engine_overhead_ms", "engine overhead (wall)"),
+    ("engine_overhead_cpu_ms", "engine overhead (CPU)"),
+    ("overhead_ms", "ITL - model"),
+    ("server_host_cpu_ms", "server host CPU"),
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--tokens", type=int, default=4100)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each configuration")
+    ap.add_argument(
+        "--control", choices=("off", "on", "both"), default="off",
+        help="attention control: the same-size attention sweep after every step at every position",
+    )
     ap.add_argument("--rev", default="HEAD", help="the kvledger commit to measure")
     ap.add_argument("--baseline-rev", default="8d031f8", help="'' to skip the baseline")
     a = ap.parse_args()
     if a.tokens <= LATE[1]:
         ap.error(f"--tokens must exceed {LATE[1]}")
+    if a.repeats < 1:
+        ap.error("--repeats must be at least 1")
     print_header("streaming overhead per token: position ~100 vs ~4,000 (HTTP server, SSE)")
     model = prepare_model()
     print(f"model   : {model} (kvledger-tiny, context {MAX_LEN}); windows {EARLY} and {LATE}")
+    controls = {"off": [0], "on": [LATE[1] + 8], "both": [0, LATE[1] + 8]}[a.control]
     with tempfile.TemporaryDirectory() as tmp:
         head = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", a.rev], capture_output=True, text=True
@@ -277,42 +376,40 @@ def main() -> None:
             versions.append((f"kvledger @ {a.baseline_rev}", unpack_rev(a.baseline_rev, Path(tmp) / "old")))
         rows = []
         for streams in a.streams:
-            for name, src in versions:
-                r = run_one(src, model, streams, a.tokens)
-                r["version"] = name
-                rows.append(r)
-                e, lt = r["early"], r["late"]
-                print(
-                    f"{name:<24} {streams:>2} streams | ITL ms {e['itl_ms']:6.2f} -> {lt['itl_ms']:6.2f}"
-                    f" | model ms/step {e['model_ms']:6.2f} -> {lt['model_ms']:6.2f}"
-                    f" (x{lt['model_ms'] / e['model_ms']:.2f})"
-                    f" | engine overhead ms/step {e['engine_overhead_ms']:5.2f} -> "
-                    f"{lt['engine_overhead_ms']:5.2f} (x{lt['engine_overhead_ms'] / e['engine_overhead_ms']:.2f})"
-                    f" | ITL - model ms {e['overhead_ms']:5.2f} -> {lt['overhead_ms']:5.2f}"
-                    f" (x{lt['overhead_ms'] / e['overhead_ms']:.2f})"
-                    f" | foreign CPU {r['foreign_cores']:.2f} cores",
-                    flush=True,
-                )
-                if "engine_overhead_cpu_ms" in e:
-                    eng_x = lt["engine_overhead_cpu_ms"] / e["engine_overhead_cpu_ms"]
-                    host_x = lt["server_host_cpu_ms"] / e["server_host_cpu_ms"]
-                    print(
-                        f"{'':<24} {'':>2}  CPU time | engine overhead ms/step"
-                        f" {e['engine_overhead_cpu_ms']:5.3f} -> {lt['engine_overhead_cpu_ms']:5.3f}"
-                        f" (x{eng_x:.2f}) | server host CPU ms/step"
-                        f" {e['server_host_cpu_ms']:5.3f} -> {lt['server_host_cpu_ms']:5.3f}"
-                        f" (x{host_x:.2f})",
-                        flush=True,
-                    )
+            for rep in range(a.repeats):
+                for name, src in versions:
+                    for ctl in controls:
+                        r = run_one(src, model, streams, a.tokens, ctl)
+                        r.update(version=name, repeat=rep, control_tokens=ctl)
+                        rows.append(r)
+                        print_run(r)
     print(
-        "(ITL: client inter-token time, mean over the window, median over streams; model:"
+        "(ITL: client inter-token time, median gap over the window, median over streams; model:"
         " ModelRunner.execute per step; engine overhead: LLMEngine.step less the model;"
         " ITL - model: all host work per step (engine, asyncio, JSON, SSE, client) that"
         " the model time does not hide. CPU time: the same less the time other processes"
         " take: engine overhead = the engine thread's CPU per step less the model's; server"
         " host CPU = the server process's CPU per step less the model's (engine, event loop,"
-        " JSON, SSE; not the client). x = late / early.)"
+        " JSON, SSE; not the client). Per-step figures are medians over the window."
+        " x = late / early. control: after every step, outside the timings (and taken out of the"
+        " client's gaps), an attention over as many dummy contexts as streams, of"
+        f" {LATE[1] + 8} tokens less the real context: the same attention work at every position.)"
     )
+    if a.repeats > 1:
+        print("median (min-max) of the late/early ratios over the repeats:")
+        for streams in a.streams:
+            for name, _ in versions:
+                for ctl in controls:
+                    runs = [
+                        r for r in rows
+                        if r["streams"] == streams and r["version"] == name and r["control_tokens"] == ctl
+                    ]
+                    parts = []
+                    for key, label in RATIOS:
+                        xs = sorted(r["late"][key] / r["early"][key] for r in runs)
+                        parts.append(f"{label} x{statistics.median(xs):.2f} ({xs[0]:.2f}-{xs[-1]:.2f})")
+                    tag = " control" if ctl else ""
+                    print(f"{name:<24} {streams:>2} streams{tag} | " + " | ".join(parts), flush=True)
     c = calls_per_step(str(model), a.tokens)
     e, lt = c["early"], c["late"]
     print(
