@@ -125,7 +125,7 @@ def serve(port: int, model: str, max_num_seqs: int, control_tokens: int = 0) -> 
 def _control_attention(engine, rows: int, tokens: int):
     """A closure running native.paged_decode, given the real context, over `rows` contexts of
     `tokens` less that in every layer cache: each row reads its own blocks (wrapping round the
-    pool), values as they are."""
+    pool, filled with small random values before the first request)."""
     import torch
 
     from kvledger.model import native
@@ -136,6 +136,13 @@ def _control_attention(engine, rows: int, tokens: int):
     num_heads = cfg.num_heads
     per_row = -(-tokens // block_size)
     tables = (torch.arange(rows * per_row, dtype=torch.int64) % num_blocks).view(rows, per_row)
+    # Written once, before any request: a pool page never written reads as the kernel's shared
+    # zero page, which would cost the control no memory traffic at all.
+    used = tables.flatten().unique()
+    gen = torch.Generator().manual_seed(0)
+    for c in caches:
+        for t in (c.k, c.v):
+            t[used] = 0.1 * torch.randn(t[used].shape, generator=gen, dtype=t.dtype)
     seq_lens = torch.full((rows,), tokens, dtype=torch.int64)
     idx = torch.arange(rows, dtype=torch.int64)
     q = torch.zeros(rows, num_heads, head_dim)
