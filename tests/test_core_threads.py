@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvledger.core import core_threads
+from kvledger.model import native
 from kvledger.model.loader import load_model
 
 
@@ -14,6 +15,7 @@ def restore_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+    native.set_split_threads(0)
 
 
 def test_a_model_whose_matmuls_save_little_gets_one_thread(stories_path, restore_threads):
@@ -21,6 +23,7 @@ def test_a_model_whose_matmuls_save_little_gets_one_thread(stories_path, restore
     threads, work = core_threads.choose_core_threads(model, 2)
     assert threads == 1 and torch.get_num_threads() == 1
     assert 0 < work < core_threads.MIN_WORK_S  # stories260k's whole step of matmuls: ~0.05 ms
+    assert native._split_threads == 2  # a large decode attention still splits
 
 
 def test_the_work_counts_every_layer_and_the_head_once(stories_path, restore_threads, monkeypatch):
@@ -44,7 +47,37 @@ def test_the_work_counts_every_layer_and_the_head_once(stories_path, restore_thr
     just_enough = core_threads.MIN_WORK_S / (per_layer * num_layers + 1)
     monkeypatch.setattr(core_threads, "_time", fake(just_enough * 1.01))
     assert core_threads.choose_core_threads(model, 2)[0] == 2 and torch.get_num_threads() == 2
+    assert native._split_threads == 0  # torch's count already covers the attention
     monkeypatch.setattr(core_threads, "_time", fake(just_enough * 0.99))
     assert core_threads.choose_core_threads(model, 2)[0] == 1 and torch.get_num_threads() == 1
+    assert native._split_threads == 2
     assert seen == {1}
     assert core_threads.choose_core_threads(model, 1) == (1, 0.0)
+
+
+def test_a_large_step_splits_and_gives_the_same_tokens(stories_path, restore_threads):
+    """With one torch thread and split threads set (the core's choice for a small model), a step
+    of SPLIT_STEP_TOKENS or more runs its forward on the split count and then goes back to one;
+    the greedy tokens are those of an unsplit run."""
+    from kvledger import LLM, SamplingParams
+
+    assert native.step_threads(native.SPLIT_STEP_TOKENS) == 0  # nothing set: torch's count
+    llm = LLM(stories_path, max_model_len=512)
+    prompt = {"prompt_token_ids": [1] + [(7 * i) % 500 + 10 for i in range(300)]}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    torch.set_num_threads(1)
+    plain = llm.generate(prompt, params)[0].outputs[0].token_ids
+    llm.reset_prefix_cache()  # the prompt is computed again, not read from cached blocks
+    native.set_split_threads(2)
+    assert native.step_threads(native.SPLIT_STEP_TOKENS - 1) == 0
+    assert native.step_threads(native.SPLIT_STEP_TOKENS) == 2
+    seen = []
+    model = llm.llm_engine.runner.model
+    hook = model.register_forward_pre_hook(lambda m, a: seen.append(torch.get_num_threads()))
+    try:
+        split = llm.generate(prompt, params)[0].outputs[0].token_ids
+    finally:
+        hook.remove()
+    assert split == plain
+    assert seen[0] == 2 and set(seen[1:]) == {1}  # the 301-token prefill split, decodes did not
+    assert torch.get_num_threads() == 1

@@ -280,6 +280,46 @@ def test_paged_decode_substitutes_the_full_precision_overlay(isa, dtype):
 
 
 @needs_native
+def test_a_large_decode_takes_the_split_threads_with_the_same_result(isa, monkeypatch):
+    """An engine core computing with one torch thread still splits a decode attention that reads
+    DECODE_SPLIT_BYTES or more over set_split_threads' count, bit for bit the same; a small one
+    (or a caller that does not say how many tokens) keeps torch's count."""
+    cache, g = _paged(512, 16, 2, 64, seed=5)
+    lens = [1000, 1500, 777, 1900]
+    tables = _tables(lens, 16, 512, g)
+    q = torch.randn(len(lens), 8, 64, generator=g)
+    rows, seq_lens = torch.arange(len(lens)), torch.tensor(lens)
+    big = sum(lens)
+    assert big * 2 * 64 * 2 * 4 >= native.DECODE_SPLIT_BYTES
+    lib = native.library()
+    seen = []
+
+    class Spy:  # the real kernel, with the thread count it was given recorded
+        def __getattr__(self, name):
+            fn = getattr(lib, name)
+            if name != "kvl_paged_decode":
+                return fn
+            return lambda *a: seen.append(a[-1]) or fn(*a)
+
+    monkeypatch.setattr(native, "library", lambda: Spy())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        outs = []
+        for n, kv_tokens in ((0, big), (3, big), (3, 10), (3, 0)):
+            native.set_split_threads(n)
+            out = torch.empty(len(lens), 512)
+            native.paged_decode(q, cache, tables, seq_lens, rows, out, 0.125, kv_tokens=kv_tokens)
+            outs.append(out)
+    finally:
+        native.set_split_threads(0)
+        torch.set_num_threads(threads)
+    assert seen == [1, 3, 1, 1]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@needs_native
 @pytest.mark.parametrize("fmt", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_is_batch_invariant(isa, fmt, dtype):

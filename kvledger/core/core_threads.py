@@ -16,6 +16,11 @@ the core it takes from the front end is worth. The tiny model's step of matmuls 
 60M model's 7 (bf16) to 13 ms (float32). (Timing the split itself is no guide: the tiny model's matmuls are 1.8x
 faster with two threads, yet it serves far better with one; and a busy neighbour at start-up
 makes the split look slower than it is.)
+
+With one thread chosen, what grows with the load rather than the model still takes all threads
+(``native.set_split_threads``): a decode attention over megabytes of K/V and a step of 256 or
+more tokens. At 64 streams the tiny model's core spent 41 % of its time in one-thread decode
+attention beside an idle core; a burst of prefills waited on one thread's matmuls.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import time
 
 import torch
 from torch import nn
+
+from kvledger.model import native
 
 MIN_WORK_S = 2e-3  # one thread's matmul time per decode step worth splitting
 ROWS = 16  # a decode step's rows
@@ -59,7 +66,8 @@ def _time(linears, xs, threads: int, repeats: int = 5) -> list[float]:
 @torch.inference_mode()
 def choose_core_threads(model: nn.Module, max_threads: int) -> tuple[int, float]:
     """(threads, one thread's seconds of matmul per decode step); leaves torch set to the
-    chosen count."""
+    chosen count, and large decode attentions and large steps (native.DECODE_SPLIT_BYTES,
+    SPLIT_STEP_TOKENS) free to use all ``max_threads`` when that count is one."""
     if max_threads <= 1:
         torch.set_num_threads(max(1, max_threads))
         return max(1, max_threads), 0.0
@@ -68,4 +76,6 @@ def choose_core_threads(model: nn.Module, max_threads: int) -> tuple[int, float]
     work = sum(n * t for n, t in zip(runs, _time(linears, xs, 1, repeats=REPEATS), strict=True))
     threads = max_threads if work >= MIN_WORK_S else 1
     torch.set_num_threads(threads)
+    # What grows with the load, not the model, still splits (native.set_split_threads).
+    native.set_split_threads(max_threads if threads < max_threads else 0)
     return threads, work

@@ -20,6 +20,7 @@ from kvledger.core.block_table import BlockTable
 from kvledger.core.request import Request
 from kvledger.core.scheduler import SchedulerOutput
 from kvledger.logprobs import Logprob
+from kvledger.model import native
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
 from kvledger.model.sampler import SampleRequest, make_logprobs, sample
@@ -184,7 +185,16 @@ class ModelRunner:
         if self.graphs is not None and inp.meta.is_pure_decode:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
         if hidden is None:
-            hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.layer_caches)
+            threads = native.step_threads(inp.input_ids.shape[0])
+            if threads:  # a large step on a core that computes small ones with fewer threads
+                before = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.layer_caches)
+                finally:
+                    torch.set_num_threads(before)
+            else:
+                hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.layer_caches)
         if self.overlay is not None:
             self.overlay.after_step(inp.meta, [s.request for s in so.scheduled])
         rows = _logits_rows(inp)

@@ -438,6 +438,30 @@ def can_paged_decode(layer_cache, num_heads: int, dtype: torch.dtype) -> bool:
     )
 
 
+# Threads for work large enough to split (0: torch's count). An engine core that computes
+# with one torch thread (core_threads.py: a small model's decode matmuls are not worth a second
+# thread, whose core the front end needs) still splits what grows with the load and not the
+# model: a decode attention reading megabytes of K/V (one parallel region per layer; 41 % of
+# the tiny model's core at 64 streams, on one thread beside an idle core), and a step of many
+# tokens (a burst of prefills, whose matmuls a second thread halves).
+_split_threads = 0
+DECODE_SPLIT_BYTES = 2 << 20  # K/V bytes one paged_decode call reads before it splits
+SPLIT_STEP_TOKENS = 256  # tokens in a step before its whole forward splits
+
+
+def set_split_threads(n: int) -> None:
+    """Let large decode attentions and large steps use ``n`` threads (0: never more than torch's)."""
+    global _split_threads
+    _split_threads = max(0, int(n))
+
+
+def step_threads(num_tokens: int) -> int:
+    """Threads for a forward over ``num_tokens`` tokens, where that differs from torch's (else 0)."""
+    if _split_threads > torch.get_num_threads() and num_tokens >= SPLIT_STEP_TOKENS:
+        return _split_threads
+    return 0
+
+
 def paged_decode(
     q: torch.Tensor,
     layer_cache,
@@ -449,6 +473,7 @@ def paged_decode(
     fp_spans: torch.Tensor | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    kv_tokens: int = 0,
 ) -> None:
     """out[rows[b]] = softmax(q[rows[b]] K_b^T * scale) V_b for each decoding request b, where
     K_b, V_b are the first seq_lens[b] tokens of the blocks block_tables[b] (read in place, in
@@ -458,7 +483,8 @@ def paged_decode(
     seq_lens and rows [B], all int64 with contiguous rows (the caller checks can_paged_decode
     first). Quantised caches with an overlay: fp_spans [B, 5] int64 (see csrc/paged_decode.c)
     and this step's k/v [T, Hkv, D] (rows of one stride, heads contiguous) name the positions
-    read in full precision."""
+    read in full precision. ``kv_tokens``: the sum of seq_lens, if the caller knows it (a
+    large sum may take more threads, see set_split_threads; the result is the same)."""
     if fp_spans is not None and (
         k_new.stride(0) != v_new.stride(0) or k_new.stride(2) != 1 or k_new.stride(1) != k_new.shape[2]
         or v_new.stride(2) != 1 or v_new.stride(1) != v_new.shape[2]
@@ -474,6 +500,9 @@ def paged_decode(
         ks = vs = None
     num_blocks, block_size, num_kv_heads, head_dim = kc.shape
     ov = fp_spans is not None
+    threads = torch.get_num_threads()
+    if _split_threads > threads and kv_tokens * num_kv_heads * head_dim * 2 * kc.element_size() >= DECODE_SPLIT_BYTES:
+        threads = _split_threads  # each (request, KV head) is one thread's: same result
     rc = library().kvl_paged_decode(
         q.data_ptr(),
         q.stride(0),
@@ -504,7 +533,7 @@ def paged_decode(
         k_new.data_ptr() if ov else None,
         v_new.data_ptr() if ov else None,
         k_new.stride(0) if ov else 0,
-        torch.get_num_threads(),
+        threads,
     )
     if rc != 0:
         raise ValueError(f"paged_decode: unsupported arguments (q {tuple(q.shape)}, cache {tuple(kc.shape)})")

@@ -76,6 +76,7 @@ class _NativeDecode:
     rows: torch.Tensor  # [B] query row of each request
     block_tables: torch.Tensor  # [B, max_blocks]
     seq_lens: torch.Tensor  # [B]
+    kv_tokens: int  # sum of seq_lens: the context tokens the step's decodes read
     # Quantised caches with an overlay: per request (overlay base row, sink_lo, sink_hi, win_lo,
     # self) = the positions read in full precision (csrc/paged_decode.c).
     fp_spans: torch.Tensor | None = None
@@ -129,7 +130,8 @@ class TorchAttentionBackend:
         if nd is not None:
             q = q.contiguous()
             native.paged_decode(
-                q, layer_cache, nd.block_tables, nd.seq_lens, nd.rows, out, scale, nd.fp_spans, k, v
+                q, layer_cache, nd.block_tables, nd.seq_lens, nd.rows, out, scale, nd.fp_spans, k, v,
+                nd.kv_tokens,
             )
         num_kv_heads = k.shape[1]
         for d in plan.decode:
@@ -297,8 +299,9 @@ def _native_decode(
 ) -> _NativeDecode:
     rows, tables, seq_lens = _select_requests(meta, decodes, starts)
     spans = None if quant is None else decode_spans(meta, quant, decodes)
+    kv_tokens = sum(meta.seq_lens_list[i] for i in decodes)
     return _NativeDecode(
-        rows, tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous(), spans
+        rows, tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous(), kv_tokens, spans
     )
 
 
