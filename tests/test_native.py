@@ -155,6 +155,8 @@ def _reference(q, k, v, tables, lens, rows, scale, subst=None):
     ("heads", "kv_heads", "head_dim", "block_size"),
     [
         (8, 2, 64, 16),  # specialised G=4, D=64
+        (8, 2, 32, 32),  # specialised D=32 (kvledger-tiny's shape), G=4
+        (6, 3, 32, 16),  # specialised D=32, G=2
         (4, 4, 128, 4),  # G=1, D=128
         (16, 2, 64, 1),  # G=8, one token per block
         (6, 2, 48, 16),  # generic D=48, G=3 (passes of 2 + 1 heads)
@@ -191,10 +193,11 @@ def test_paged_decode_matches_float64_softmax(isa, heads, kv_heads, head_dim, bl
 @needs_native
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8", "fp8_int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_reads_bf16_and_quantised_caches_in_place(isa, fmt, dtype):
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_paged_decode_reads_bf16_and_quantised_caches_in_place(isa, fmt, dtype, head_dim):
     """bf16 caches and int8/fp8 codes with per-token-head scales: the kernel's output is the
     attention over the dequantised cache (float64 reference), read without a dequantised copy."""
-    heads, kv_heads, head_dim, bs = 8, 2, 64, 16
+    heads, kv_heads, bs = 8, 2, 16
     if fmt == "bf16":
         if dtype != torch.bfloat16:
             pytest.skip("an unquantised cache is in the model dtype")
