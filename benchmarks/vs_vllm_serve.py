@@ -225,6 +225,7 @@ def tree_cpu_s(root: int) -> float:
 class Result:
     token_ids: list[int] = field(default_factory=list)
     ttft: float | None = None
+    start: float = 0.0  # perf_counter when the request was sent
     itl: list[float] = field(default_factory=list)
     error: str | None = None
 
@@ -240,7 +241,7 @@ async def one_request(client: Any, url: str, req: dict[str, Any]) -> Result:
         "return_token_ids": True,
     }
     res = Result()
-    t0 = last = time.perf_counter()
+    t0 = last = res.start = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -290,6 +291,8 @@ async def drive(
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(bounded(r) for r in workload))
+        for r in results:
+            r.start -= t0
         return list(results), time.perf_counter() - t0
 
 
@@ -332,6 +335,8 @@ def run_load(server: Server, workload: list[dict[str, Any]], concurrency: int) -
         "errors": errors[:5],
         "num_errors": len(errors),
         "outputs": [r.token_ids for r in results],
+        # Per request: seconds from the load's start to its send, and its TTFT (None: none).
+        "sent_ttft_s": [(r.start, r.ttft) for r in results],
     }
 
 
