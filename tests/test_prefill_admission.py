@@ -62,7 +62,7 @@ def test_with_nothing_decoding_the_whole_budget_goes_to_prefills():
         _step(sched, 1.0)
 
 
-def test_serve_caps_prefills_by_default_and_0_turns_it_off():
+def test_serve_caps_prefills_only_when_asked_and_0_means_no_cap():
     import argparse
 
     from kvledger.commands import serve
@@ -70,8 +70,9 @@ def test_serve_caps_prefills_by_default_and_0_turns_it_off():
 
     parser = argparse.ArgumentParser()
     serve.add_parser(parser.add_subparsers())
-    kw = serve.serve_engine_kwargs(parser.parse_args(["serve"]))
-    assert kw["max_prefill_tokens_while_decoding"] == serve.SERVE_PREFILL_CAP == 512
+    assert "max_prefill_tokens_while_decoding" not in serve.serve_engine_kwargs(parser.parse_args(["serve"]))
+    kw = serve.serve_engine_kwargs(parser.parse_args(["serve", "--max-prefill-tokens-while-decoding", "512"]))
+    assert kw["max_prefill_tokens_while_decoding"] == 512
     off = serve.serve_engine_kwargs(
         parser.parse_args(["serve", "--max-prefill-tokens-while-decoding", "0"])
     )

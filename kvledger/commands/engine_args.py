@@ -32,8 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="while any request decodes, prefill at most this many tokens per step, so a burst "
-        "of new prompts does not stall every stream (kvledger serve: 512, 0 for no cap; "
-        "offline: no cap beyond --max-num-batched-tokens)",
+        "of new prompts does not stall every stream (default and 0: no cap beyond "
+        "--max-num-batched-tokens, as vLLM)",
     )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument(
