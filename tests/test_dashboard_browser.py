@@ -132,9 +132,12 @@ def test_live_page_counts_equal_the_ledger_under_load(browser, server):
     first = next_frame(page)
     assert first["shown"] == ledger_counts(first["ledger"])
     stop, load_errors = threading.Event(), []
+    # Twice the server's --max-num-seqs in clients, so that requests wait at almost every frame
+    # even when each client takes a while between requests (8 clients once saw none waiting in
+    # 172 frames of a loaded full-suite run).
     workers = [
         threading.Thread(target=run_load, args=(server.url, stop, w, load_errors), daemon=True)
-        for w in range(8)
+        for w in range(12)
     ]
     for t in workers:
         t.start()
