@@ -104,8 +104,9 @@ class IncrementalDetokenizer:
         return self._text.getvalue()
 
     def _append(self, piece: str) -> None:
+        # The stream's position is always the end (_len): writes, _tail's read() and the stop
+        # cut's truncate all leave it there, so appending needs no seek.
         if piece:
-            self._text.seek(self._len)
             self._text.write(piece)
             self._len += len(piece)
 

@@ -185,16 +185,14 @@ class ModelRunner:
         if self.graphs is not None and inp.meta.is_pure_decode:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
         if hidden is None:
-            threads = native.step_threads(inp.input_ids.shape[0])
+            threads, before = native.step_threads(inp.input_ids.shape[0]), torch.get_num_threads()
             if threads:  # a large step on a core that computes small ones with fewer threads
-                before = torch.get_num_threads()
                 torch.set_num_threads(threads)
-                try:
-                    hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.layer_caches)
-                finally:
-                    torch.set_num_threads(before)
-            else:
+            try:
                 hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.layer_caches)
+            finally:
+                if threads:
+                    torch.set_num_threads(before)
         if self.overlay is not None:
             self.overlay.after_step(inp.meta, [s.request for s in so.scheduled])
         rows = _logits_rows(inp)
