@@ -218,6 +218,29 @@ def test_paged_decode_reads_bf16_and_quantised_caches_in_place(isa, fmt, dtype, 
 
 
 @needs_native
+def test_int8_keys_with_bf16_queries_of_any_magnitude(isa):
+    """int8 keys against a bf16 query take integer scores (the query rounded per head to int16 with
+    a power-of-two step): zero, huge and tiny heads, and token counts that are not a multiple of
+    the four tokens scored together, still give the attention over the dequantised cache."""
+    heads, kv_heads, d, bs = 8, 2, 64, 16
+    _, cache, g = _quantised("int8", 40, bs, kv_heads, d, seed=3, dtype=torch.bfloat16)
+    k, v = _dense(cache)
+    lens = [7, 33, 130, 1]
+    tables = _tables(lens, bs, 40, g)
+    rows = torch.arange(4)
+    q = torch.randn(4, heads, d, generator=g)
+    q[0, 0] = 0.0  # a zero head: uniform attention
+    q[0, 1] *= 1e30  # one-hot attention, no overflow
+    q[1, 2] *= 1e-30  # scores ~1e-30: uniform
+    q[2, 5] *= 1e3
+    q = q.to(torch.bfloat16)
+    out = torch.zeros(4, heads * d, dtype=torch.bfloat16)
+    native.paged_decode(q, cache, tables, torch.tensor(lens), rows, out, 0.125)
+    ref = _reference(q, k, v, tables, lens, rows, 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=8e-3, rtol=8e-3)
+
+
+@needs_native
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_one_token_context_gives_the_dequantised_value_exactly(isa, fmt):
     """softmax over one key is 1, so the output is that token's V exactly as kv_quant

@@ -29,6 +29,7 @@
  * floats of scores. Returns 0, or -1 for unsupported arguments (the caller falls back).
  */
 #include <immintrin.h>
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -119,31 +120,120 @@ static float dot_fp(const float *q, const char *row, int qt, int64_t D) {
 
 /* Scores of GS query heads (q: GS rows of D floats) against every key of the context, into
  * sc[gi * len + t]. KT, D and GS are compile-time constants at the call sites (always_inline):
- * the loops unroll and the accumulators stay in registers. */
+ * the loops unroll and the accumulators stay in registers. With AVX-512 and four heads, four
+ * tokens at a time: their 16 dot products are reduced together (vhsum16), which made the
+ * reductions, not the products, the pass's cost when each was reduced on its own. */
 static inline __attribute__((always_inline)) void score_pass(
     const args_t *a, const float *q, const int64_t *table, int64_t len, float *sc, const int KT,
     const int64_t D, const int64_t GS, const int64_t kvh) {
     const int64_t Hkv = a->Hkv, bs = a->bs;
     const int64_t kes = KT == ELEM_F32 ? 4 : (KT <= ELEM_F16 ? 2 : 1);
-    const int64_t row = Hkv * D * kes;
+    const int64_t row = Hkv * D * kes, off = kvh * D * kes;
     const float kunit = KT == ELEM_FP8 ? FP8_UNIT : 1.0f;
-    const int64_t nblocks = (len + bs - 1) / bs;
+    const uint16_t *ks = KT >= ELEM_I8 ? a->ks : NULL;
     ahead_t ahead = ahead_start(bs, D * kes);
-    for (int64_t blk = 0, t = 0; blk < nblocks; blk++) {
+    int64_t t = 0, blk = 0, j = 0; /* token t is row j of the table's block blk */
+#if VW == 16
+    if (GS == 4)
+        for (; t + 4 <= len; t += 4) {
+            const char *k[4];
+            float f[4];
+            for (int r = 0; r < 4; r++) {
+                prefetch_ahead(&ahead, t + r, len, a->kc, table, bs, row, off, D * kes, ks, Hkv);
+                const int64_t slot = BLOCK_ID(table, blk) * bs + j;
+                k[r] = a->kc + slot * row + off;
+                f[r] = ks ? a->scale * half_to_float(ks[slot * Hkv + kvh]) * kunit : a->scale;
+                if (++j == bs) {
+                    j = 0;
+                    blk++;
+                }
+            }
+            vf acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = vzero();
+            for (int64_t d = 0; d < D; d += VW)
+                for (int r = 0; r < 4; r++) {
+                    vf kv = vload_as_n(k[r] + d * kes, KT, D - d);
+                    for (int g = 0; g < 4; g++) acc[4 * r + g] = vfmadd(vload_as_n(q + g * D + d, ELEM_F32, D - d), kv, acc[4 * r + g]);
+                }
+            /* lane 4g + r: head g, token t + r */
+            vf s = vmul(vhsum16(acc), _mm512_broadcast_f32x4(_mm_loadu_ps(f)));
+            for (int g = 0; g < 4; g++) _mm_storeu_ps(sc + g * len + t, _mm512_extractf32x4_ps(s, g));
+        }
+#endif
+    for (; t < len; blk++, j = 0) { /* one token at a time, block by block */
         const int64_t slot0 = BLOCK_ID(table, blk) * bs;
-        const char *k = a->kc + (slot0 * Hkv + kvh) * D * kes;
-        const int64_t n = len - t < bs ? len - t : bs;
-        for (int64_t j = 0; j < n; j++, t++, k += row) {
-            prefetch_ahead(&ahead, t, len, a->kc, table, bs, row, kvh * D * kes, D * kes,
-                           KT >= ELEM_I8 ? a->ks : NULL, Hkv);
+        const char *k = a->kc + (slot0 + j) * row + off;
+        for (const int64_t end = len - t < bs - j ? j + len - t : bs; j < end; j++, t++, k += row) {
+            prefetch_ahead(&ahead, t, len, a->kc, table, bs, row, off, D * kes, ks, Hkv);
             vf acc[MAX_G];
             for (int64_t g = 0; g < GS; g++) acc[g] = vzero();
             for (int64_t d = 0; d < D; d += VW) {
                 vf kv = vload_as_n(k + d * kes, KT, D - d);
                 for (int64_t g = 0; g < GS; g++) acc[g] = vfmadd(vload_as_n(q + g * D + d, ELEM_F32, D - d), kv, acc[g]);
             }
-            const float f = KT >= ELEM_I8 ? a->scale * half_to_float(a->ks[(slot0 + j) * Hkv + kvh]) * kunit : a->scale;
+            const float f = ks ? a->scale * half_to_float(ks[(slot0 + j) * Hkv + kvh]) * kunit : a->scale;
             for (int64_t g = 0; g < GS; g++) sc[g * len + t] = vhsum(acc[g]) * f;
+        }
+    }
+}
+
+/* The int8-key score pass with the query rounded to int16 (q16, one power-of-two step qs[g] per
+ * head): every product and sum is exact in int32 (|q16| <= 32640, |code| <= 128, D <= 256: sums
+ * below 2^31), so the only change from the float pass is q's rounding, <= 2^-15 of the head's
+ * largest element: 1/64 of the rounding a bfloat16 query already carries, which is why the
+ * caller takes this path for bfloat16 queries only. Twice fewer vector operations than
+ * converting each code to a float (two int16 products per lane, no conversion of the codes). */
+static inline __attribute__((always_inline)) void score_pass_q16(
+    const args_t *a, const int16_t *q16, const float *qs, const int64_t *table, int64_t len, float *sc,
+    const int64_t D, const int64_t GS, const int64_t kvh) {
+    const int64_t Hkv = a->Hkv, bs = a->bs, row = Hkv * D, off = kvh * D;
+    ahead_t ahead = ahead_start(bs, D);
+    int64_t t = 0, blk = 0, j = 0; /* token t is row j of the table's block blk */
+#if VW == 16
+    if (GS == 4) { /* four tokens at a time, reduced together, as score_pass */
+        const __m512 qsv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_insertf128_ps(
+            _mm256_castps128_ps256(_mm_set1_ps(qs[0])), _mm_set1_ps(qs[1]), 1)),
+            _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(qs[2])), _mm_set1_ps(qs[3]), 1), 1);
+        for (; t + 4 <= len; t += 4) {
+            const int8_t *k[4];
+            float f[4];
+            for (int r = 0; r < 4; r++) {
+                prefetch_ahead(&ahead, t + r, len, a->kc, table, bs, row, off, D, a->ks, Hkv);
+                const int64_t slot = BLOCK_ID(table, blk) * bs + j;
+                k[r] = (const int8_t *)a->kc + slot * row + off;
+                f[r] = a->scale * half_to_float(a->ks[slot * Hkv + kvh]);
+                if (++j == bs) {
+                    j = 0;
+                    blk++;
+                }
+            }
+            vi acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = vi_zero();
+            for (int64_t d = 0; d < D; d += IW)
+                for (int r = 0; r < 4; r++) {
+                    vi kv = vi_load_i8(k[r] + d);
+                    for (int g = 0; g < 4; g++) acc[4 * r + g] = vi_dot(acc[4 * r + g], vi_load16(q16 + g * D + d), kv);
+                }
+            /* lane 4g + r: head g, token t + r; the same products as the one-token path below */
+            const __m512 m = _mm512_mul_ps(qsv, _mm512_broadcast_f32x4(_mm_loadu_ps(f)));
+            const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(vhsum16_epi32(acc)), m);
+            for (int g = 0; g < 4; g++) _mm_storeu_ps(sc + g * len + t, _mm512_extractf32x4_ps(s, g));
+        }
+    }
+#endif
+    for (; t < len; blk++, j = 0) {
+        const int64_t slot0 = BLOCK_ID(table, blk) * bs;
+        const int8_t *k = (const int8_t *)a->kc + (slot0 + j) * row + off;
+        for (const int64_t end = len - t < bs - j ? j + len - t : bs; j < end; j++, t++, k += row) {
+            prefetch_ahead(&ahead, t, len, a->kc, table, bs, row, off, D, a->ks, Hkv);
+            vi acc[MAX_G];
+            for (int64_t g = 0; g < GS; g++) acc[g] = vi_zero();
+            for (int64_t d = 0; d < D; d += IW) {
+                vi kv = vi_load_i8(k + d);
+                for (int64_t g = 0; g < GS; g++) acc[g] = vi_dot(acc[g], vi_load16(q16 + g * D + d), kv);
+            }
+            const float f = a->scale * half_to_float(a->ks[(slot0 + j) * Hkv + kvh]);
+            for (int64_t g = 0; g < GS; g++) sc[g * len + t] = (float)vi_hsum(acc[g]) * (qs[g] * f);
         }
     }
 }
@@ -216,6 +306,12 @@ static void scores_any(const args_t *a, const float *q, const int64_t *table, in
     if (kt == KT_) { BY_D(SCORE) }
 #undef KT_
 }
+#define SCORE16(DD, GG) score_pass_q16(a, q16, qs, table, len, sc, DD, GG, kvh)
+/* D a multiple of 32 (the caller checks): whole int16 vectors on both ISAs. */
+static void scores_q16(const args_t *a, const int16_t *q16, const float *qs, const int64_t *table, int64_t len,
+                       float *sc, int64_t D, int64_t gs, int64_t kvh) {
+    BY_D(SCORE16)
+}
 #define VSUM(DD, GG) v_pass(a, w, table, len, out, VT_, DD, GG, kvh)
 static void vsum_any(const args_t *a, const float *w, const int64_t *table, int64_t len, float *out,
                      int vt, int64_t D, int64_t gs, int64_t kvh) {
@@ -247,9 +343,35 @@ static void attend_item(const args_t *a, const float *q, const int64_t *table, i
                         float *out, int kt, int vt, int64_t G, int64_t kvh, float *sc,
                         const fp_t *fp, float *fpw) {
     const int64_t D = a->D;
+    /* int8 keys, bfloat16 query: integer scores (score_pass_q16), q rounded per head to int16
+     * with a power-of-two step, so its largest elements (a bf16's 8 significant bits) stay exact. */
+    int q16_path = kt == ELEM_I8 && a->qt == ELEM_BF16 && D % 32 == 0;
+    int16_t q16[q16_path ? G * D : 1];
+    float qs[MAX_G];
+    for (int64_t g = 0; g < G && q16_path; g++) {
+        float m = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            const float x = fabsf(q[g * D + d]);
+            if (!(x <= FLT_MAX)) q16_path = 0; /* inf / NaN: the float pass, as other formats */
+            m = x > m ? x : m;
+        }
+        int e = 0;
+        frexpf(m, &e); /* m < 2^e */
+        if (m == 0.0f || e < -100) { /* scores below ~1e-30 of the keys: zero */
+            qs[g] = 0.0f;
+            for (int64_t d = 0; d < D; d++) q16[g * D + d] = 0;
+            continue;
+        }
+        qs[g] = ldexpf(1.0f, e - 15);
+        const float inv = ldexpf(1.0f, 15 - e);
+        for (int64_t d = 0; d < D; d++) q16[g * D + d] = (int16_t)lrintf(q[g * D + d] * inv);
+    }
     for (int64_t g0 = 0; g0 < G;) {
         const int64_t gs = pass_heads(G - g0, 4);
-        scores_any(a, q + g0 * D, table, len, sc + g0 * len, kt, D, gs, kvh);
+        if (q16_path)
+            scores_q16(a, q16 + g0 * D, qs + g0, table, len, sc + g0 * len, D, gs, kvh);
+        else
+            scores_any(a, q + g0 * D, table, len, sc + g0 * len, kt, D, gs, kvh);
         g0 += gs;
     }
     if (fp)
