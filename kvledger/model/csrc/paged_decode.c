@@ -13,7 +13,10 @@
  * the KV head (GQA, no expansion): scores s = (q . k) * scale for every context token, then an
  * exact softmax (max, exp, sum: two passes over the scores, not an online rescaling), then the
  * probability-weighted sum of V rows, divided by the sum at the end. Float32 arithmetic, no
- * fast-math; exp is a Cephes-style polynomial accurate to ~1 ulp. q is read and out written in
+ * fast-math; exp is a Cephes-style polynomial accurate to ~1 ulp. One exception: int8 keys
+ * against a bfloat16 query are scored with exact int32 dot products of the codes and the query
+ * rounded per head to int16 (score_pass_q16), which adds at most 1/64 of the error the query's
+ * own bf16 rounding carries and halves the pass's vector work. q is read and out written in
  * the model dtype (float32 or bfloat16). Results depend only on the request's own data, never
  * on the batch around it.
  *
