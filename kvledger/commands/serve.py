@@ -157,6 +157,14 @@ def add_parser(subparsers: Any) -> None:
         help="torch intra-op threads (default: torch's choice, one per core); small models on "
         "a busy machine run far faster with 1",
     )
+    p.add_argument(
+        "--populate-kv-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU: map every page of the KV pool at start-up, as vLLM allocates its cache "
+        "(default), so the first requests do not pay the page faults; --no-populate-kv-cache "
+        "maps pages as blocks are first written (resident memory then follows use)",
+    )
     add_engine_args(p)
 
 
@@ -305,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
     prometheus_client.disable_created_metrics()  # no *_created series, as in vLLM
     # A server runs for days: its GEMM shapes are created now, not over its first 10k requests.
     engine_config = build_engine_config(
-        args.model, **serve_engine_kwargs(args), warm_up_gemm_shapes=True
+        args.model, **serve_engine_kwargs(args), warm_up_gemm_shapes=True,
+        populate_kv_cache=args.populate_kv_cache,
     )
     engine: LLMEngine | AsyncCoreEngine
     if args.data_parallel_size > 1:  # N cores, one front end (kvledger/router/dp_engine.py)

@@ -161,6 +161,13 @@ class LLMEngine:
         if self.kv_layout.is_hybrid:
             self.runner.layer_group = self.kv_layout.layer_group
             self.runner.layer_caches = [self.kv_pool.layers[j] for j in self.kv_layout.layer_slot]
+        if config.populate_kv_cache and self.device.type == "cpu":
+            t0 = time.perf_counter()
+            self.kv_pool.populate()
+            logger.info(
+                "KV pool mapped at start-up: %.2f GiB in %.2f s",
+                self.kv_pool.num_bytes / 2**30, time.perf_counter() - t0,
+            )
         if config.warm_up_gemm_shapes and self.device.type == "cpu":
             t0 = time.perf_counter()
             done, total = warm_up_gemm_shapes(self.model, sc.max_num_batched_tokens, sc.max_num_seqs)
@@ -241,6 +248,7 @@ class LLMEngine:
         if config.warm_up_gemm_shapes:  # each rank creates its own shards' GEMM shapes
             sc = config.scheduler
             spec.warm_up_gemm_rows = (sc.max_num_batched_tokens, sc.max_num_seqs)
+        spec.populate_kv_cache = config.populate_kv_cache
         self.executor = TPExecutor(
             spec, self.tp, backend, config.tp_driver_address, step_timeout_s=config.tp_step_timeout
         )

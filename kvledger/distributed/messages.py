@@ -36,6 +36,8 @@ class WorkerSpec:
     # `kvledger serve`: (max rows of a step, max sampled rows) - create every oneDNN GEMM shape
     # of this rank's shards at start-up (model/layers.warm_up_gemm_shapes; issue 23). None: no.
     warm_up_gemm_rows: tuple[int, int] | None = None
+    # `kvledger serve`: map this rank's whole KV pool at start-up (KVCachePool.populate).
+    populate_kv_cache: bool = False
 
 
 @dataclass

@@ -85,6 +85,8 @@ class Worker:
             recent_tokens=spec.kv_recent_tokens,
             overlay_slots=spec.overlay_slots,
         )
+        if spec.populate_kv_cache and self.device.type == "cpu":
+            self.kv_pool.populate()
         self.layer_caches = (
             self.kv_pool.layers if spec.layer_slot is None
             else [self.kv_pool.layers[j] for j in spec.layer_slot]

@@ -1,0 +1,54 @@
+"""The CPU KV pool is mapped lazily unless asked; `kvledger serve` maps it at start-up."""
+
+import argparse
+import sys
+
+import pytest
+import torch
+
+from kvledger import LLM
+from kvledger.commands import serve
+from kvledger.model.kv_cache import KVCachePool
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Resident bytes of the mapping holding t's first byte (its own mmap for a large pool)."""
+    addr = t.data_ptr()
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the tensor")
+
+
+@pytest.mark.parametrize("fmt", ["auto", "int8"])
+def test_populate_maps_every_page_of_the_pool_and_leaves_zeros(fmt):
+    pool = KVCachePool(2, 512, 16, 4, 64, torch.float32, kv_cache_dtype=fmt)  # 16 / 4.4 MiB
+    assert pool.num_bytes >= 4 << 20
+    before = _resident_bytes(pool.data)
+    assert before < pool.num_bytes // 2, "a fresh pool is mapped as it is written"
+    pool.populate()
+    assert _resident_bytes(pool.data) >= pool.num_bytes
+    assert not pool.data.any()
+
+
+def test_an_engine_maps_its_pool_only_when_asked(stories_path):
+    kw = dict(kv_cache_memory=64 << 20, max_model_len=256, calibrate_preemption=False)
+    lazy = LLM(stories_path, **kw).llm_engine
+    eager = LLM(stories_path, populate_kv_cache=True, **kw).llm_engine
+    assert _resident_bytes(lazy.kv_pool.data) < lazy.kv_pool.num_bytes // 2
+    assert _resident_bytes(eager.kv_pool.data) >= eager.kv_pool.num_bytes
+
+
+def test_serve_populates_by_default_and_the_flag_turns_it_off():
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    assert parser.parse_args(["serve"]).populate_kv_cache is True
+    assert parser.parse_args(["serve", "--no-populate-kv-cache"]).populate_kv_cache is False
