@@ -30,6 +30,7 @@ from kvledger.ledger.accounting import (
 )
 from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.logprobs import Logprob
+from kvledger.model import host_memory
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
 from kvledger.model.kv_overlay import SINK_CACHE_ENTRIES
 from kvledger.model.layers import warm_up_gemm_shapes
@@ -63,6 +64,8 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":  # steps reuse their activation memory, not re-fault it
+            host_memory.keep_freed_memory()
         # The tokenizer loads (transformers import included) in a thread while the weights
         # load and the pools are sized; it is joined before the cost model calibrates.
         self._tokenizer_job = ThreadPoolExecutor(1, thread_name_prefix="kvledger-tok").submit(

@@ -36,6 +36,7 @@ from kvledger.distributed.messages import (
 )
 from kvledger.distributed.overlay_proxy import apply_overlay_ops
 from kvledger.distributed.sharding import shard_model
+from kvledger.model import host_memory
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.kv_cache import HostKVPool, KVCachePool
 from kvledger.model.layers import can_pack_linear, warm_up_gemm_shapes
@@ -51,6 +52,8 @@ class Worker:
 
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(spec.device)
+        if self.device.type == "cpu":
+            host_memory.keep_freed_memory()
         loaded = load_model(
             spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
             pack_linear=False,

@@ -10,8 +10,11 @@ written, so a pool's resident size grows with its use, in 2 MiB steps.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import os
+import sys
 
 import numpy as np
 import torch
@@ -41,3 +44,32 @@ def copy_of(t: torch.Tensor) -> torch.Tensor:
     out = zeros(tuple(t.shape), t.dtype)
     out.copy_(t)
     return out
+
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper bound for M_MMAP_THRESHOLD on 64-bit
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed blocks of up to 32 MiB in the heap instead of unmapping them.
+
+    A forward pass allocates and frees the same activation buffers every step; by default glibc
+    serves each one above its (adaptive) mmap threshold with a fresh mapping and returns it on
+    free, so every step page-faults its activations in again: a 2,044-token prefill of
+    kvledger-tiny took 101-110 ms that way and 84-92 ms with the buffers kept (docs/benchmarks.md,
+    issue 24 session 7). vLLM's CPU guide preloads tcmalloc for the same reason. The cost is that
+    the heap stays at its peak (a step's activations, tens of MiB). Off with KVLEDGER_MALLOPT=0;
+    returns whether it was applied (glibc only).
+    """
+    if os.environ.get("KVLEDGER_MALLOPT", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # noqa: B018 - glibc, not musl
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
