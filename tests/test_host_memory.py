@@ -2,6 +2,7 @@
 start-up), and a CPU engine's steps reuse their activation memory instead of faulting it in."""
 
 import argparse
+import ctypes
 import os
 import subprocess
 import sys
@@ -13,22 +14,21 @@ from kvledger import LLM
 from kvledger.commands import serve
 from kvledger.model.kv_cache import KVCachePool
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and glibc malloc")
 
 
 def _resident_bytes(t: torch.Tensor) -> int:
-    """Resident bytes of the mapping holding t's first byte (its own mmap for a large pool)."""
-    addr = t.data_ptr()
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no mapping holds the tensor")
+    """Bytes of t's pages in memory (mincore over exactly its range; the kernel may merge its
+    mapping with neighbouring ones, so the mapping's own Rss would count theirs)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo = t.data_ptr() // page * page
+    hi = t.data_ptr() + t.numel() * t.element_size()
+    n = -(-(hi - lo) // page)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(lo), hi - lo, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec) * page
 
 
 @pytest.mark.parametrize("fmt", ["auto", "int8"])
