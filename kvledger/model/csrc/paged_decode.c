@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) void score_pass(
  * head): every product and sum is exact in int32 (|q16| <= 32640, |code| <= 128, D <= 256: sums
  * below 2^31), so the only change from the float pass is q's rounding, <= 2^-15 of the head's
  * largest element: 1/64 of the rounding a bfloat16 query already carries, which is why the
- * caller takes this path for bfloat16 queries only. Twice fewer vector operations than
+ * caller takes this path for bfloat16 queries only. Half the vector operations of
  * converting each code to a float (two int16 products per lane, no conversion of the codes). */
 static inline __attribute__((always_inline)) void score_pass_q16(
     const args_t *a, const int16_t *q16, const float *qs, const int64_t *table, int64_t len, float *sc,
