@@ -121,6 +121,26 @@ static float dot_fp(const float *q, const char *row, int qt, int64_t D) {
     return vhsum(acc);
 }
 
+/* The next four context rows of the (AVX-512, four-head) score loops: their addresses and score
+ * factors (scale, times the token's fp16 scale and `unit` for a quantised cache), prefetching
+ * ahead and advancing (blk, j) as the one-token loops do. */
+static inline __attribute__((always_inline)) void next_rows4(
+    const args_t *a, ahead_t *ahead, int64_t t, int64_t len, const int64_t *table, int64_t row,
+    int64_t off, int64_t bytes, const uint16_t *scales, float unit, int64_t kvh, int64_t *blk,
+    int64_t *j, const char **k, float *f) {
+    const int64_t bs = a->bs, Hkv = a->Hkv;
+    for (int r = 0; r < 4; r++) {
+        prefetch_ahead(ahead, t + r, len, a->kc, table, bs, row, off, bytes, scales, Hkv);
+        const int64_t slot = BLOCK_ID(table, *blk) * bs + *j;
+        k[r] = a->kc + slot * row + off;
+        f[r] = scales ? a->scale * half_to_float(scales[slot * Hkv + kvh]) * unit : a->scale;
+        if (++*j == bs) {
+            *j = 0;
+            ++*blk;
+        }
+    }
+}
+
 /* Scores of GS query heads (q: GS rows of D floats) against every key of the context, into
  * sc[gi * len + t]. KT, D and GS are compile-time constants at the call sites (always_inline):
  * the loops unroll and the accumulators stay in registers. With AVX-512 and four heads, four
@@ -141,16 +161,7 @@ static inline __attribute__((always_inline)) void score_pass(
         for (; t + 4 <= len; t += 4) {
             const char *k[4];
             float f[4];
-            for (int r = 0; r < 4; r++) {
-                prefetch_ahead(&ahead, t + r, len, a->kc, table, bs, row, off, D * kes, ks, Hkv);
-                const int64_t slot = BLOCK_ID(table, blk) * bs + j;
-                k[r] = a->kc + slot * row + off;
-                f[r] = ks ? a->scale * half_to_float(ks[slot * Hkv + kvh]) * kunit : a->scale;
-                if (++j == bs) {
-                    j = 0;
-                    blk++;
-                }
-            }
+            next_rows4(a, &ahead, t, len, table, row, off, D * kes, ks, kunit, kvh, &blk, &j, k, f);
             vf acc[16];
             for (int i = 0; i < 16; i++) acc[i] = vzero();
             for (int64_t d = 0; d < D; d += VW)
@@ -198,23 +209,14 @@ static inline __attribute__((always_inline)) void score_pass_q16(
             _mm256_castps128_ps256(_mm_set1_ps(qs[0])), _mm_set1_ps(qs[1]), 1)),
             _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(qs[2])), _mm_set1_ps(qs[3]), 1), 1);
         for (; t + 4 <= len; t += 4) {
-            const int8_t *k[4];
+            const char *k[4];
             float f[4];
-            for (int r = 0; r < 4; r++) {
-                prefetch_ahead(&ahead, t + r, len, a->kc, table, bs, row, off, D, a->ks, Hkv);
-                const int64_t slot = BLOCK_ID(table, blk) * bs + j;
-                k[r] = (const int8_t *)a->kc + slot * row + off;
-                f[r] = a->scale * half_to_float(a->ks[slot * Hkv + kvh]);
-                if (++j == bs) {
-                    j = 0;
-                    blk++;
-                }
-            }
+            next_rows4(a, &ahead, t, len, table, row, off, D, a->ks, 1.0f, kvh, &blk, &j, k, f);
             vi acc[16];
             for (int i = 0; i < 16; i++) acc[i] = vi_zero();
             for (int64_t d = 0; d < D; d += IW)
                 for (int r = 0; r < 4; r++) {
-                    vi kv = vi_load_i8(k[r] + d);
+                    vi kv = vi_load_i8((const int8_t *)k[r] + d);
                     for (int g = 0; g < 4; g++) acc[4 * r + g] = vi_dot(acc[4 * r + g], vi_load16(q16 + g * D + d), kv);
                 }
             /* lane 4g + r: head g, token t + r; the same products as the one-token path below */

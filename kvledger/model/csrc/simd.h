@@ -162,34 +162,29 @@ static inline int32_t vi_hsum(vi v) {
 #if defined(__AVX512F__)
 /* The lane sums of 16 vectors at once, in 15 shuffle-add steps instead of 16 separate
  * reductions (4 each, plus moves out of the vector unit): lane 4m + r of the result is the sum of
- * v[4r + m]'s lanes, each a fixed pairwise tree (the result depends only on v). */
+ * v[4r + m]'s lanes, each a fixed pairwise tree (the result depends only on v). One body for
+ * float and int32 lanes (ADD; the shuffles only move 32-bit lanes, so they act on either). */
+#define KVL_VHSUM16(T, ADD, TO_PS, FROM_PS)                                                        \
+    T c[8], d[4], e[2];                                                                           \
+    for (int i = 0; i < 8; i++) /* lanes 0-7: v[2i]'s partials, 8-15: v[2i+1]'s */               \
+        c[i] = ADD(FROM_PS(_mm512_shuffle_f32x4(TO_PS(v[2 * i]), TO_PS(v[2 * i + 1]), 0x44)),     \
+                   FROM_PS(_mm512_shuffle_f32x4(TO_PS(v[2 * i]), TO_PS(v[2 * i + 1]), 0xEE)));    \
+    for (int i = 0; i < 4; i++) /* 128-bit lane m: v[4i + m]'s partials */                       \
+        d[i] = ADD(FROM_PS(_mm512_shuffle_f32x4(TO_PS(c[2 * i]), TO_PS(c[2 * i + 1]), 0x88)),     \
+                   FROM_PS(_mm512_shuffle_f32x4(TO_PS(c[2 * i]), TO_PS(c[2 * i + 1]), 0xDD)));    \
+    for (int i = 0; i < 2; i++) /* lane m: two of v[8i + m]'s, two of v[8i + 4 + m]'s */         \
+        e[i] = ADD(FROM_PS(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(TO_PS(d[2 * i])),  \
+                                                               _mm512_castps_pd(TO_PS(d[2 * i + 1]))))), \
+                   FROM_PS(_mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(TO_PS(d[2 * i])),  \
+                                                               _mm512_castps_pd(TO_PS(d[2 * i + 1])))))); \
+    return ADD(FROM_PS(_mm512_shuffle_ps(TO_PS(e[0]), TO_PS(e[1]), 0x88)),                        \
+               FROM_PS(_mm512_shuffle_ps(TO_PS(e[0]), TO_PS(e[1]), 0xDD)))
+#define KVL_ID(x) (x)
 static inline __attribute__((always_inline)) __m512 vhsum16(const __m512 *v) {
-    __m512 c[8], d[4], e[2];
-    for (int i = 0; i < 8; i++) /* lanes 0-7: v[2i]'s partials, 8-15: v[2i+1]'s */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++) /* 128-bit lane m: v[4i + m]'s partials */
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++) /* lane m: two of v[8i + m]'s, two of v[8i + 4 + m]'s */
-        e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(d[2 * i]), _mm512_castps_pd(d[2 * i + 1]))),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(d[2 * i]), _mm512_castps_pd(d[2 * i + 1]))));
-    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
+    KVL_VHSUM16(__m512, _mm512_add_ps, KVL_ID, KVL_ID);
 }
-/* vhsum16 for int32 lanes (exact, so the order does not matter; the same shuffles). */
 static inline __attribute__((always_inline)) __m512i vhsum16_epi32(const __m512i *v) {
-    __m512i c[8], d[4], e[2];
-    for (int i = 0; i < 8; i++)
-        c[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x44),
-                                _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)
-        d[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2 * i], c[2 * i + 1], 0x88),
-                                _mm512_shuffle_i32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)
-        e[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_epi64(d[2 * i], d[2 * i + 1]));
-    const __m512 e0 = _mm512_castsi512_ps(e[0]), e1 = _mm512_castsi512_ps(e[1]);
-    return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(e0, e1, 0x88)),
-                            _mm512_castps_si512(_mm512_shuffle_ps(e0, e1, 0xDD)));
+    KVL_VHSUM16(__m512i, _mm512_add_epi32, _mm512_castsi512_ps, _mm512_castps_si512);
 }
 #endif
 
