@@ -110,7 +110,8 @@ def test_paged_greedy_matches_hf_generate(tiny, use_native, monkeypatch):
 @pytest.mark.parametrize("decode_path", ["native", "batched", "alone"])
 def test_mixed_batch_matches_each_request_alone(kind, decode_path, tmp_path, monkeypatch):
     """One request prefills a chunk while two decode: same logits as running each alone,
-    whether the decodes go through the native paged kernel, a padded SDPA batch, or one by one."""
+    whether the decodes (and, native, the chunk's rows) go through the native paged kernel, a
+    padded SDPA batch, or one by one."""
     if decode_path == "native":
         if native.library() is None:
             pytest.skip("native kernels unavailable here (no C compiler or no AVX2)")
@@ -140,7 +141,10 @@ def test_mixed_batch_matches_each_request_alone(kind, decode_path, tmp_path, mon
     plan = loaded.model.attn_backend._plan
     assert (plan.native_decode is not None) == (decode_path == "native")
     assert len(plan.decode) == (1 if decode_path == "batched" else 0)
-    assert len(plan.chunks) == (3 if decode_path == "alone" else 1)
+    # native: the chunk's 5 rows are decodes over their causal prefixes, beside the 2 decodes
+    assert len(plan.chunks) == {"alone": 3, "batched": 1, "native": 0}[decode_path]
+    if decode_path == "native":
+        assert plan.native_decode.rows.tolist() == [0, 6, 1, 2, 3, 4, 5]
     torch.testing.assert_close(mixed[0:1], alone["b"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed[1:6], alone["a"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed[6:7], alone["c"], atol=1e-5, rtol=1e-5)

@@ -59,6 +59,13 @@ class _Chunk:
     fix: Fix | None = None
 
 
+# Prefill chunks of at most this many tokens take the native kernel, one decode per row (its
+# work grows with the square of the chunk). One prefill step of ~2,000 tokens, 2 threads, native
+# vs per-request SDPA (docs/benchmarks.md, issue 24 session 7): 14 x 146 tokens kvledger-tiny
+# -1..-4 %, 60M -2..-7 %; 4 x 500 -17 %, -7 %; 2 x 1,000 -5 %, -6 %; 1 x 2,000 +16 %, +3 %.
+_NATIVE_PREFILL_MAX = 1024
+
+
 @dataclass
 class _DecodeBatch:
     """Single-token queries of several requests, attended in one padded SDPA call."""
@@ -71,12 +78,14 @@ class _DecodeBatch:
 
 @dataclass
 class _NativeDecode:
-    """Every single-token query of the step, for native.paged_decode (blocks read in place)."""
+    """Every single-token query of the step, and each row of its short prefill chunks over an
+    unquantised cache (a decode over its causal prefix), for native.paged_decode (blocks read in
+    place)."""
 
     rows: torch.Tensor  # [B] query row of each request
     block_tables: torch.Tensor  # [B, max_blocks]
     seq_lens: torch.Tensor  # [B]
-    kv_tokens: int  # sum of seq_lens: the context tokens the step's decodes read
+    kv_tokens: int  # sum of seq_lens: the context tokens the step's rows read
     # Quantised caches with an overlay: per request (overlay base row, sink_lo, sink_hi, win_lo,
     # self) = the positions read in full precision (csrc/paged_decode.c).
     fp_spans: torch.Tensor | None = None
@@ -93,8 +102,9 @@ class _Plan:
 
 
 class TorchAttentionBackend:
-    """Reference backend: per-request SDPA for prefill chunks; decodes through the native
-    paged-decode kernel where it runs (float32 CPU, unquantised cache), else grouped padded SDPA."""
+    """Reference backend: decodes, and prefill chunks of up to _NATIVE_PREFILL_MAX tokens over an
+    unquantised cache (one decode per row), through the native paged-decode kernel where it
+    runs; else per-request SDPA for prefill chunks and grouped padded SDPA for decodes."""
 
     def __init__(self) -> None:
         # Per-step plan, built by the first layer and reused by the others (same metadata object).
@@ -238,8 +248,17 @@ def _build_plan(
     if use_native:
         groups = []
         batched = {i for i, n in enumerate(meta.query_lens_list) if n == 1}
-        if batched:
-            native_decode = _native_decode(meta, sorted(batched), starts, quant if overlay else None)
+        # Unquantised caches: each row of a prefill chunk is a decode over its causal prefix,
+        # read from the cache this layer just wrote (quantised caches keep SDPA over the chunk's
+        # full-precision rows).
+        prefill = [] if quant is not None else [
+            i for i, n in enumerate(meta.query_lens_list) if 1 < n <= _NATIVE_PREFILL_MAX
+        ]
+        if batched or prefill:
+            native_decode = _native_decode(
+                meta, sorted(batched), starts, quant if overlay else None, prefill
+            )
+        batched.update(prefill)
     else:
         groups = _decode_groups(meta, kv_width * dtype.itemsize * 2)
         batched = {i for g in groups for i in g}
@@ -295,11 +314,25 @@ def _select_requests(
 
 
 def _native_decode(
-    meta: AttentionMetadata, decodes: list[int], starts: list[int], quant: OverlayInfo | None
+    meta: AttentionMetadata,
+    decodes: list[int],
+    starts: list[int],
+    quant: OverlayInfo | None,
+    prefill: list[int] = (),
 ) -> _NativeDecode:
     rows, tables, seq_lens = _select_requests(meta, decodes, starts)
     spans = None if quant is None else decode_spans(meta, quant, decodes)
     kv_tokens = sum(meta.seq_lens_list[i] for i in decodes)
+    if prefill:  # one row per query token, its context ending at its own position
+        device = meta.slot_mapping.device
+        parts_r, parts_t, parts_l = [rows], [tables], [seq_lens.to(torch.int64)]
+        for i in prefill:
+            n, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
+            parts_r.append(torch.arange(starts[i], starts[i] + n, dtype=torch.int64, device=device))
+            parts_t.append(meta.block_tables[i].expand(n, -1))
+            parts_l.append(torch.arange(seq_len - n + 1, seq_len + 1, dtype=torch.int64, device=device))
+            kv_tokens += n * (2 * seq_len - n + 1) // 2
+        rows, tables, seq_lens = torch.cat(parts_r), torch.cat(parts_t), torch.cat(parts_l)
     return _NativeDecode(
         rows, tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous(), kv_tokens, spans
     )
