@@ -150,6 +150,35 @@ def test_mixed_batch_matches_each_request_alone(kind, decode_path, tmp_path, mon
     torch.testing.assert_close(mixed[6:7], alone["c"], atol=1e-5, rtol=1e-5)
 
 
+def test_prefill_chunks_take_the_native_kernel_by_the_context_their_rows_read(tmp_path, monkeypatch):
+    """A prefill chunk goes to the native kernel (one decode per row) only while its rows read
+    at most _NATIVE_PREFILL_MAX_READ context tokens in all: a short chunk late in a long prompt
+    reads more than its length says. Either way the logits are those of per-request SDPA."""
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here (no C compiler or no AVX2)")
+    build_hf_model(tiny_config("llama_gqa"), tmp_path)
+    loaded = load_model(tmp_path)
+    a, b = _prompt(43, 1), _prompt(15, 2)
+
+    def run(bound):
+        monkeypatch.setattr(torch_backend, "_NATIVE_PREFILL_MAX_READ", bound)
+        drv = PagedDriver(loaded, seed=3)
+        first = drv.step([("a", a[:40]), ("b", b[:12])])
+        plan1 = loaded.model.attn_backend._plan
+        second = drv.step([("a", a[40:]), ("b", b[12:])])
+        return torch.cat([first, second]), plan1, loaded.model.attn_backend._plan
+
+    sdpa, _, _ = run(0)
+    mixed, plan1, plan2 = run(100)
+    # step 1: a's 40 fresh rows read 820 tokens (SDPA), b's 12 read 78 (native)
+    assert [(c.start, c.end) for c in plan1.chunks] == [(0, 40)]
+    assert plan1.native_decode.rows.tolist() == list(range(40, 52))
+    # step 2: a's 3 rows at positions 40-42 read 126 (SDPA, though only 3 tokens), b's 3 read 42
+    assert [(c.start, c.end) for c in plan2.chunks] == [(0, 3)]
+    assert plan2.native_decode.rows.tolist() == [3, 4, 5]
+    torch.testing.assert_close(mixed, sdpa, atol=1e-5, rtol=1e-5)
+
+
 def test_longrope_long_prompt_uses_the_long_factors(tmp_path):
     """Past original_max_position_embeddings (48 here) LongRoPE switches to its long factors:
     a 60-token prompt (prefilled in one chunk, as HF does) and its continuation match HF's.

@@ -59,11 +59,18 @@ class _Chunk:
     fix: Fix | None = None
 
 
-# Prefill chunks of at most this many tokens take the native kernel, one decode per row (its
-# work grows with the square of the chunk). One prefill step of ~2,000 tokens, 2 threads, native
-# vs per-request SDPA (docs/benchmarks.md, issue 24 session 7): 14 x 146 tokens kvledger-tiny
-# -1..-4 %, 60M -2..-7 %; 4 x 500 -17 %, -7 %; 2 x 1,000 -5 %, -6 %; 1 x 2,000 +16 %, +3 %.
-_NATIVE_PREFILL_MAX = 1024
+# Prefill chunks take the native kernel, one decode per row, while their rows read at most this
+# many context tokens in all (a fresh chunk of 1,024 tokens; a chunk's rows read n * (2 * seq_len
+# - n + 1) / 2, so a short chunk late in a long prompt reads far more than its length says). One
+# prefill step of ~2,000 fresh tokens, 2 threads, native vs per-request SDPA (docs/benchmarks.md,
+# issue 24 session 7): 14 x 146 tokens kvledger-tiny -1..-4 %, 60M -2..-7 %; 4 x 500 -17 %,
+# -7 %; 2 x 1,000 -5 %, -6 %; 1 x 2,000 +16 %, +3 %.
+_NATIVE_PREFILL_MAX_READ = 1024 * 1025 // 2
+
+
+def _prefill_reads(query_len: int, seq_len: int) -> int:
+    """Context tokens the rows of a prefill chunk read, each up to its own position."""
+    return query_len * (2 * seq_len - query_len + 1) // 2
 
 
 @dataclass
@@ -102,9 +109,10 @@ class _Plan:
 
 
 class TorchAttentionBackend:
-    """Reference backend: decodes, and prefill chunks of up to _NATIVE_PREFILL_MAX tokens over an
-    unquantised cache (one decode per row), through the native paged-decode kernel where it
-    runs; else per-request SDPA for prefill chunks and grouped padded SDPA for decodes."""
+    """Reference backend: decodes, and prefill chunks over an unquantised cache whose rows read
+    at most _NATIVE_PREFILL_MAX_READ context tokens (one decode per row), through the native
+    paged-decode kernel where it runs; else per-request SDPA for prefill chunks and grouped
+    padded SDPA for decodes."""
 
     def __init__(self) -> None:
         # Per-step plan, built by the first layer and reused by the others (same metadata object).
@@ -252,7 +260,9 @@ def _build_plan(
         # read from the cache this layer just wrote (quantised caches keep SDPA over the chunk's
         # full-precision rows).
         prefill = [] if quant is not None else [
-            i for i, n in enumerate(meta.query_lens_list) if 1 < n <= _NATIVE_PREFILL_MAX
+            i
+            for i, (n, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True))
+            if n > 1 and _prefill_reads(n, seq_len) <= _NATIVE_PREFILL_MAX_READ
         ]
         if batched or prefill:
             native_decode = _native_decode(
@@ -331,7 +341,7 @@ def _native_decode(
             parts_r.append(torch.arange(starts[i], starts[i] + n, dtype=torch.int64, device=device))
             parts_t.append(meta.block_tables[i].expand(n, -1))
             parts_l.append(torch.arange(seq_len - n + 1, seq_len + 1, dtype=torch.int64, device=device))
-            kv_tokens += n * (2 * seq_len - n + 1) // 2
+            kv_tokens += _prefill_reads(n, seq_len)
         rows, tables, seq_lens = torch.cat(parts_r), torch.cat(parts_t), torch.cat(parts_l)
     return _NativeDecode(
         rows, tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous(), kv_tokens, spans
