@@ -218,6 +218,26 @@ def test_paged_decode_reads_bf16_and_quantised_caches_in_place(isa, fmt, dtype, 
 
 
 @needs_native
+@pytest.mark.parametrize("fmt", ["int8", "fp8_int8"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(16, 2, 64), (6, 2, 32), (3, 3, 64)])
+def test_quantised_v_scales_serve_every_head_group(isa, fmt, heads, kv_heads, head_dim):
+    """The V scales are read once per item, by the first score pass, for every head group's V
+    pass: query heads per KV head 8 (two passes of 4), 3 (2 + 1) and 1, contexts ending inside a
+    block and past the four-token groups."""
+    bs = 16
+    _, cache, g = _quantised(fmt, 40, bs, kv_heads, head_dim, seed=heads, dtype=torch.bfloat16)
+    k, v = _dense(cache)
+    lens = [3, 150, 61, 18]
+    tables = _tables(lens, bs, 40, g)
+    rows = torch.tensor([1, 3, 0, 2])
+    q = (torch.randn(4, heads, head_dim, generator=g) * 2).to(torch.bfloat16)
+    out = torch.zeros(4, heads * head_dim, dtype=torch.bfloat16)
+    native.paged_decode(q, cache, tables, torch.tensor(lens), rows, out, 0.125)
+    ref = _reference(q, k, v, tables, lens, rows, 0.125)
+    torch.testing.assert_close(out[rows].double(), ref, atol=8e-3, rtol=8e-3)
+
+
+@needs_native
 def test_int8_keys_with_bf16_queries_of_any_magnitude(isa):
     """int8 keys against a bf16 query take integer scores (the query rounded per head to int16 with
     a power-of-two step): zero, huge and tiny heads, and token counts that are not a multiple of

@@ -86,10 +86,14 @@ def cpu_isas() -> list[str]:
 
 
 def isa_flags(isa: str) -> list[str]:
-    """Compiler flags of one instruction set; avx512 adds vdpbf16ps where the CPU has it."""
+    """Compiler flags of one instruction set; avx512 adds vdpbf16ps and vpdpwssd where the CPU
+    has them."""
     flags = list(ISAS[isa][1])
-    if isa == "avx512" and "avx512_bf16" in _cpu_flags().split():
+    cpu = _cpu_flags().split()
+    if isa == "avx512" and "avx512_bf16" in cpu:
         flags += ["-mavx512bf16", "-DKVL_AVX512BF16"]
+    if isa == "avx512" and "avx512_vnni" in cpu:
+        flags += ["-mavx512vnni", "-DKVL_AVX512VNNI"]
     return flags
 
 

@@ -78,10 +78,11 @@ static inline ahead_t ahead_start(int64_t bs, int64_t bytes) {
 }
 
 /* Prefetch the row (one KV head: `bytes` at `head_off`) pd tokens ahead of t, and, for a
- * quantised cache, its block's scales when that row opens a block (one line: bs * Hkv fp16). */
+ * quantised cache, its block's K and V scales when that row opens a block (one line each:
+ * bs * Hkv fp16; either may be NULL). */
 static inline void prefetch_ahead(ahead_t *c, int64_t t, int64_t len, const char *cache, const int64_t *table,
                                   int64_t bs, int64_t row, int64_t head_off, int64_t bytes,
-                                  const uint16_t *scales, int64_t Hkv) {
+                                  const uint16_t *scales, const uint16_t *scales2, int64_t Hkv) {
     if (t + c->pd < len) {
         const int64_t slot = BLOCK_ID(table, c->blk) * bs;
         const char *p = cache + (slot + c->j) * row + head_off;
@@ -90,6 +91,7 @@ static inline void prefetch_ahead(ahead_t *c, int64_t t, int64_t len, const char
         else
             _mm_prefetch(p, _MM_HINT_T0);
         if (scales && c->j == 0) _mm_prefetch((const char *)(scales + slot * Hkv), _MM_HINT_T0);
+        if (scales2 && c->j == 0) _mm_prefetch((const char *)(scales2 + slot * Hkv), _MM_HINT_T0);
     }
     if (++c->j == bs) {
         c->j = 0;
@@ -104,7 +106,7 @@ typedef struct {
     const char *k_new, *v_new;    /* this step's k/v rows [T, Hkv, D] in the model dtype */
     int64_t new_stride, S, R, Hkv, D, bs;
     int qt;                       /* model dtype: ELEM_F32 or ELEM_BF16 */
-    float scale;
+    float scale, vunit;           /* vunit: FP8_UNIT for fp8 V codes, else 1 */
 } args_t;
 
 /* Full-precision positions of one item (quantised caches): row pointers, at most S + R + 1. */
@@ -123,17 +125,18 @@ static float dot_fp(const float *q, const char *row, int qt, int64_t D) {
 
 /* The next four context rows of the (AVX-512, four-head) score loops: their addresses and score
  * factors (scale, times the token's fp16 scale and `unit` for a quantised cache), prefetching
- * ahead and advancing (blk, j) as the one-token loops do. */
+ * ahead and advancing (blk, j) as the one-token loops do; with fv, the tokens' V scales too. */
 static inline __attribute__((always_inline)) void next_rows4(
     const args_t *a, ahead_t *ahead, int64_t t, int64_t len, const int64_t *table, int64_t row,
     int64_t off, int64_t bytes, const uint16_t *scales, float unit, int64_t kvh, int64_t *blk,
-    int64_t *j, const char **k, float *f) {
+    int64_t *j, const char **k, float *f, float *fv) {
     const int64_t bs = a->bs, Hkv = a->Hkv;
     for (int r = 0; r < 4; r++) {
-        prefetch_ahead(ahead, t + r, len, a->kc, table, bs, row, off, bytes, scales, Hkv);
+        prefetch_ahead(ahead, t + r, len, a->kc, table, bs, row, off, bytes, scales, fv ? a->vs : NULL, Hkv);
         const int64_t slot = BLOCK_ID(table, *blk) * bs + *j;
         k[r] = a->kc + slot * row + off;
         f[r] = scales ? a->scale * half_to_float(scales[slot * Hkv + kvh]) * unit : a->scale;
+        if (fv) fv[t + r] = half_to_float(a->vs[slot * Hkv + kvh]) * a->vunit;
         if (++*j == bs) {
             *j = 0;
             ++*blk;
@@ -142,12 +145,15 @@ static inline __attribute__((always_inline)) void next_rows4(
 }
 
 /* Scores of GS query heads (q: GS rows of D floats) against every key of the context, into
- * sc[gi * len + t]. KT, D and GS are compile-time constants at the call sites (always_inline):
- * the loops unroll and the accumulators stay in registers. With AVX-512 and four heads, four
+ * sc[gi * len + t]; with fv (quantised V), each token's V scale into fv[t] on the way: read
+ * beside the K scale, the V pass finds them in order instead of missing one line per block (its
+ * own prefetch of that line came too late: int8 decode 1.2x -> 1.4x bf16's speed). KT, D and GS
+ * are compile-time constants at the call sites (always_inline): the loops unroll and the
+ * accumulators stay in registers. With AVX-512 and four heads, four
  * tokens at a time: their 16 dot products are reduced together (vhsum16), which made the
  * reductions, not the products, the pass's cost when each was reduced on its own. */
 static inline __attribute__((always_inline)) void score_pass(
-    const args_t *a, const float *q, const int64_t *table, int64_t len, float *sc, const int KT,
+    const args_t *a, const float *q, const int64_t *table, int64_t len, float *sc, float *fv, const int KT,
     const int64_t D, const int64_t GS, const int64_t kvh) {
     const int64_t Hkv = a->Hkv, bs = a->bs;
     const int64_t kes = KT == ELEM_F32 ? 4 : (KT <= ELEM_F16 ? 2 : 1);
@@ -161,7 +167,7 @@ static inline __attribute__((always_inline)) void score_pass(
         for (; t + 4 <= len; t += 4) {
             const char *k[4];
             float f[4];
-            next_rows4(a, &ahead, t, len, table, row, off, D * kes, ks, kunit, kvh, &blk, &j, k, f);
+            next_rows4(a, &ahead, t, len, table, row, off, D * kes, ks, kunit, kvh, &blk, &j, k, f, fv);
             vf acc[16];
             for (int i = 0; i < 16; i++) acc[i] = vzero();
             for (int64_t d = 0; d < D; d += VW)
@@ -178,7 +184,8 @@ static inline __attribute__((always_inline)) void score_pass(
         const int64_t slot0 = BLOCK_ID(table, blk) * bs;
         const char *k = a->kc + (slot0 + j) * row + off;
         for (const int64_t end = len - t < bs - j ? j + len - t : bs; j < end; j++, t++, k += row) {
-            prefetch_ahead(&ahead, t, len, a->kc, table, bs, row, off, D * kes, ks, Hkv);
+            prefetch_ahead(&ahead, t, len, a->kc, table, bs, row, off, D * kes, ks, fv ? a->vs : NULL, Hkv);
+            if (fv) fv[t] = half_to_float(a->vs[(slot0 + j) * Hkv + kvh]) * a->vunit;
             vf acc[MAX_G];
             for (int64_t g = 0; g < GS; g++) acc[g] = vzero();
             for (int64_t d = 0; d < D; d += VW) {
@@ -199,7 +206,7 @@ static inline __attribute__((always_inline)) void score_pass(
  * converting each code to a float (two int16 products per lane, no conversion of the codes). */
 static inline __attribute__((always_inline)) void score_pass_q16(
     const args_t *a, const int16_t *q16, const float *qs, const int64_t *table, int64_t len, float *sc,
-    const int64_t D, const int64_t GS, const int64_t kvh) {
+    float *fv, const int64_t D, const int64_t GS, const int64_t kvh) {
     const int64_t Hkv = a->Hkv, bs = a->bs, row = Hkv * D, off = kvh * D;
     ahead_t ahead = ahead_start(bs, D);
     int64_t t = 0, blk = 0, j = 0; /* token t is row j of the table's block blk */
@@ -211,7 +218,7 @@ static inline __attribute__((always_inline)) void score_pass_q16(
         for (; t + 4 <= len; t += 4) {
             const char *k[4];
             float f[4];
-            next_rows4(a, &ahead, t, len, table, row, off, D, a->ks, 1.0f, kvh, &blk, &j, k, f);
+            next_rows4(a, &ahead, t, len, table, row, off, D, a->ks, 1.0f, kvh, &blk, &j, k, f, fv);
             vi acc[16];
             for (int i = 0; i < 16; i++) acc[i] = vi_zero();
             for (int64_t d = 0; d < D; d += IW)
@@ -230,7 +237,8 @@ static inline __attribute__((always_inline)) void score_pass_q16(
         const int64_t slot0 = BLOCK_ID(table, blk) * bs;
         const int8_t *k = (const int8_t *)a->kc + (slot0 + j) * row + off;
         for (const int64_t end = len - t < bs - j ? j + len - t : bs; j < end; j++, t++, k += row) {
-            prefetch_ahead(&ahead, t, len, a->kc, table, bs, row, off, D, a->ks, Hkv);
+            prefetch_ahead(&ahead, t, len, a->kc, table, bs, row, off, D, a->ks, fv ? a->vs : NULL, Hkv);
+            if (fv) fv[t] = half_to_float(a->vs[(slot0 + j) * Hkv + kvh]) * a->vunit;
             vi acc[MAX_G];
             for (int64_t g = 0; g < GS; g++) acc[g] = vi_zero();
             for (int64_t d = 0; d < D; d += IW) {
@@ -244,14 +252,14 @@ static inline __attribute__((always_inline)) void score_pass_q16(
 }
 
 /* out[gi] = sum_t w[gi * len + t] * V_t for GN query heads (unnormalised); each V row is loaded
- * (and converted) once for the GN heads, whose accumulators stay in registers. */
+ * (and converted) once for the GN heads, whose accumulators stay in registers. Quantised V rows
+ * take their scales from fv (the score pass read them). */
 static inline __attribute__((always_inline)) void v_pass(
-    const args_t *a, const float *w, const int64_t *table, int64_t len, float *out, const int VT,
+    const args_t *a, const float *w, const float *fv, const int64_t *table, int64_t len, float *out, const int VT,
     const int64_t D, const int64_t GN, const int64_t kvh) {
     const int64_t Hkv = a->Hkv, bs = a->bs, DV = (D + VW - 1) / VW;
     const int64_t ves = VT == ELEM_F32 ? 4 : (VT <= ELEM_F16 ? 2 : 1);
     const int64_t row = Hkv * D * ves;
-    const float vunit = VT == ELEM_FP8 ? FP8_UNIT : 1.0f;
     const int64_t nblocks = (len + bs - 1) / bs;
     vf acc[MAX_ACC > MAX_D / VW ? MAX_ACC : MAX_D / VW];
     for (int64_t i = 0; i < GN * DV; i++) acc[i] = vzero();
@@ -261,9 +269,8 @@ static inline __attribute__((always_inline)) void v_pass(
         const char *v = a->vc + (slot0 * Hkv + kvh) * D * ves;
         const int64_t n = len - t < bs ? len - t : bs;
         for (int64_t j = 0; j < n; j++, t++, v += row) {
-            prefetch_ahead(&ahead, t, len, a->vc, table, bs, row, kvh * D * ves, D * ves,
-                           VT >= ELEM_I8 ? a->vs : NULL, Hkv);
-            const float f = VT >= ELEM_I8 ? half_to_float(a->vs[(slot0 + j) * Hkv + kvh]) * vunit : 1.0f;
+            prefetch_ahead(&ahead, t, len, a->vc, table, bs, row, kvh * D * ves, D * ves, NULL, NULL, Hkv);
+            const float f = VT >= ELEM_I8 ? fv[t] : 1.0f;
             vf pv[MAX_ACC];
             for (int64_t gi = 0; gi < GN; gi++) pv[gi] = vset1(w[gi * len + t] * f);
             for (int64_t d = 0; d < DV; d++) {
@@ -292,9 +299,9 @@ static inline __attribute__((always_inline)) void v_pass(
     CALL(D, gs);                           \
     return;
 
-#define SCORE(DD, GG) score_pass(a, q, table, len, sc, KT_, DD, GG, kvh)
+#define SCORE(DD, GG) score_pass(a, q, table, len, sc, fv, KT_, DD, GG, kvh)
 static void scores_any(const args_t *a, const float *q, const int64_t *table, int64_t len, float *sc,
-                       int kt, int64_t D, int64_t gs, int64_t kvh) {
+                       float *fv, int kt, int64_t D, int64_t gs, int64_t kvh) {
 #define KT_ ELEM_F32
     if (kt == KT_) { BY_D(SCORE) }
 #undef KT_
@@ -311,15 +318,15 @@ static void scores_any(const args_t *a, const float *q, const int64_t *table, in
     if (kt == KT_) { BY_D(SCORE) }
 #undef KT_
 }
-#define SCORE16(DD, GG) score_pass_q16(a, q16, qs, table, len, sc, DD, GG, kvh)
+#define SCORE16(DD, GG) score_pass_q16(a, q16, qs, table, len, sc, fv, DD, GG, kvh)
 /* D a multiple of 32 (the caller checks): whole int16 vectors on both ISAs. */
 static void scores_q16(const args_t *a, const int16_t *q16, const float *qs, const int64_t *table, int64_t len,
-                       float *sc, int64_t D, int64_t gs, int64_t kvh) {
+                       float *sc, float *fv, int64_t D, int64_t gs, int64_t kvh) {
     BY_D(SCORE16)
 }
-#define VSUM(DD, GG) v_pass(a, w, table, len, out, VT_, DD, GG, kvh)
-static void vsum_any(const args_t *a, const float *w, const int64_t *table, int64_t len, float *out,
-                     int vt, int64_t D, int64_t gs, int64_t kvh) {
+#define VSUM(DD, GG) v_pass(a, w, fv, table, len, out, VT_, DD, GG, kvh)
+static void vsum_any(const args_t *a, const float *w, const float *fv, const int64_t *table, int64_t len,
+                     float *out, int vt, int64_t D, int64_t gs, int64_t kvh) {
 #define VT_ ELEM_F32
     if (vt == VT_) { BY_D(VSUM) }
 #undef VT_
@@ -345,7 +352,7 @@ static inline int64_t pass_heads(int64_t left, int64_t cap) {
 
 /* One (request, KV head) item: q and out are G rows of D floats. */
 static void attend_item(const args_t *a, const float *q, const int64_t *table, int64_t len,
-                        float *out, int kt, int vt, int64_t G, int64_t kvh, float *sc,
+                        float *out, int kt, int vt, int64_t G, int64_t kvh, float *sc, float *fv,
                         const fp_t *fp, float *fpw) {
     const int64_t D = a->D;
     /* int8 keys, bfloat16 query: integer scores (score_pass_q16), q rounded per head to int16
@@ -373,10 +380,11 @@ static void attend_item(const args_t *a, const float *q, const int64_t *table, i
     }
     for (int64_t g0 = 0; g0 < G;) {
         const int64_t gs = pass_heads(G - g0, 4);
+        float *fvg = g0 == 0 && vt >= ELEM_I8 ? fv : NULL; /* the V scales, once */
         if (q16_path)
-            scores_q16(a, q16 + g0 * D, qs + g0, table, len, sc + g0 * len, D, gs, kvh);
+            scores_q16(a, q16 + g0 * D, qs + g0, table, len, sc + g0 * len, fvg, D, gs, kvh);
         else
-            scores_any(a, q + g0 * D, table, len, sc + g0 * len, kt, D, gs, kvh);
+            scores_any(a, q + g0 * D, table, len, sc + g0 * len, fvg, kt, D, gs, kvh);
         g0 += gs;
     }
     if (fp)
@@ -387,10 +395,15 @@ static void attend_item(const args_t *a, const float *q, const int64_t *table, i
     float sum[MAX_G];
     for (int64_t g = 0; g < G; g++) {
         float *s = sc + g * len;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < len; t++) mx = s[t] > mx ? s[t] : mx;
+        float mx = -INFINITY, lanes[VW];
         vf m = vset1(mx), acc = vzero();
         int64_t t = 0;
+        for (; t + VW <= len; t += VW) m = vmax(vload(s + t), m); /* a NaN score is skipped, as below */
+        vstore(lanes, m);
+        for (int i = 0; i < VW; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+        for (; t < len; t++) mx = s[t] > mx ? s[t] : mx;
+        m = vset1(mx);
+        t = 0;
         for (; t + VW <= len; t += VW) {
             vf p = vexp(vsub(vload(s + t), m));
             vstore(s + t, p);
@@ -412,7 +425,7 @@ static void attend_item(const args_t *a, const float *q, const int64_t *table, i
     const int64_t cap = MAX_ACC / DV < 1 ? 1 : MAX_ACC / DV;
     for (int64_t g0 = 0; g0 < G;) {
         const int64_t gs = pass_heads(G - g0, cap);
-        vsum_any(a, sc + g0 * len, table, len, out + g0 * D, vt, D, gs, kvh);
+        vsum_any(a, sc + g0 * len, fv, table, len, out + g0 * D, vt, D, gs, kvh);
         g0 += gs;
     }
     for (int64_t g = 0; g < G; g++) {
@@ -454,13 +467,13 @@ int kvl_paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, c
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
     }
     const args_t a = {k_cache, v_cache, k_scales, v_scales, ov_k, ov_v, k_new, v_new,
-                      new_row_stride, S, R, Hkv, D, bs, qt, scale};
+                      new_row_stride, S, R, Hkv, D, bs, qt, scale, vt == ELEM_FP8 ? FP8_UNIT : 1.0f};
     const int64_t qes = qt == ELEM_BF16 ? 2 : 4;
     const int64_t max_fp = fp_spans ? S + R + 1 : 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *sc = malloc(sizeof(float) * (G * max_len + 2 * G * D + G * max_fp));
+        float *sc = malloc(sizeof(float) * (G * max_len + 2 * G * D + G * max_fp + max_len));
         int64_t *pos = malloc(sizeof(int64_t) * (max_fp + 1));
         const char **rowp = malloc(sizeof(char *) * 2 * (max_fp + 1));
         if (!sc || !pos || !rowp) {
@@ -471,7 +484,7 @@ int kvl_paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, c
         for (int64_t item = 0; item < B * Hkv; item++) {
             if (!sc || !pos || !rowp) continue;
             const int64_t b = item / Hkv, kvh = item % Hkv, len = seq_lens[b];
-            float *qf = sc + G * max_len, *of = qf + G * D, *fpw = of + G * D;
+            float *qf = sc + G * max_len, *of = qf + G * D, *fpw = of + G * D, *fv = fpw + G * max_fp;
             const char *qp = (const char *)q + (rows[b] * q_row_stride + kvh * G * D) * qes;
             if (qt == ELEM_BF16)
                 for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_f32(((const uint16_t *)qp)[i]);
@@ -497,7 +510,7 @@ int kvl_paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, c
                     fp.vrow[fp.n++] = (const char *)v_new + rows[b] * new_row_stride * qes + off;
                 }
             }
-            attend_item(&a, qf, block_tables + b * table_stride, len, of, kt, vt, G, kvh, sc,
+            attend_item(&a, qf, block_tables + b * table_stride, len, of, kt, vt, G, kvh, sc, fv,
                        fp_spans ? &fp : NULL, fpw);
             char *op = (char *)out + (rows[b] * out_row_stride + kvh * G * D) * qes;
             if (qt == ELEM_BF16)

@@ -2,7 +2,8 @@
  *
  * Every source here is compiled twice (kvledger/model/native.py): once for AVX2+FMA+F16C
  * (8 float lanes) and once with AVX-512 F/BW/VL/DQ (16 lanes), and -mavx512bf16 plus
- * KVL_AVX512BF16 where the CPU has avx512_bf16. The kernels are written once against `vf`
+ * KVL_AVX512BF16 where the CPU has avx512_bf16, -mavx512vnni plus KVL_AVX512VNNI where it has
+ * avx512_vnni. The kernels are written once against `vf`
  * (VW float lanes) and the v* helpers; which library is loaded is chosen at run time from the
  * CPU's flags (or KVLEDGER_NATIVE_ISA).
  *
@@ -142,7 +143,11 @@ typedef __m512i vi;
 static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
 static inline vi vi_load16(const int16_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline vi vi_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+#if defined(KVL_AVX512VNNI)
+static inline vi vi_dot(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); } /* one vpdpwssd */
+#else
 static inline vi vi_dot(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+#endif
 static inline int32_t vi_hsum(vi v) { return _mm512_reduce_add_epi32(v); }
 #else
 #define IW 16
