@@ -59,6 +59,16 @@ def test_the_engine_runs_in_a_child_process_that_the_front_end_feeds(core_server
     assert 'vllm:generation_tokens_total{engine="0"' in metrics
 
 
+def test_both_server_processes_freeze_their_start_up_heap(core_server):
+    """kvledger/core/gc_heap.py: the front end and the engine core each say how many objects they
+    froze out of the garbage collector's walks: a loaded server's worth, not a handful."""
+    text = core_server.log_path.read_text()
+    for who in ("front end: ", "engine core 0: "):
+        line = next((ln for ln in text.splitlines() if who in ln and "objects frozen" in ln), None)
+        assert line is not None, (who, text[-2000:])
+        assert int(line.split(who)[1].split()[0]) > 10_000, line
+
+
 def test_a_killed_engine_core_makes_the_server_answer_503_not_hang(core_server):
     (core,) = children(core_server.proc.pid)
     os.kill(core, signal.SIGKILL)

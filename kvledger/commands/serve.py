@@ -357,6 +357,9 @@ def run(args: argparse.Namespace) -> int:
         key = "?key=<key>" if api_keys else ""
         log.info("dashboard: %s://%s:%d/dashboard%s", scheme, args.host, args.port, key)
     app = build_app(engine, config)
+    from kvledger.core.gc_heap import freeze_gc_heap
+
+    log.info("front end: %d start-up objects frozen out of the garbage collector", freeze_gc_heap())
     try:
         uvicorn.run(
             app,

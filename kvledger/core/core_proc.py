@@ -78,6 +78,10 @@ def run_engine_core(
                 " (%d threads from %.1f ms; --torch-threads N to choose)",
                 index, threads, work * 1e3, n, MIN_WORK_S * 1e3,
             )  # fmt: skip
+        from kvledger.core.gc_heap import freeze_gc_heap
+
+        frozen = freeze_gc_heap()  # its start-up heap, out of the collector's walks
+        logger.info("engine core %d: %d start-up objects frozen out of the garbage collector", index, frozen)
         out.send_multipart([wire.READY, wire.dump(EngineInfo.from_engine(engine))])
         try:
             EngineCore(engine, inp, out, parent_pid, index).run()
