@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from kvledger.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvledger.core.engine import LLMEngine
+from kvledger.core.gc_heap import deferred_full_collections
 from kvledger.errors import ConfigError, InvalidRequestError
 from kvledger.inputs import PromptType
 from kvledger.ledger.snapshot import LedgerSnapshot
@@ -202,6 +203,15 @@ class LLM:
             raise ConfigError(
                 f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
             )
+        with deferred_full_collections():  # full GC walks wait for the return (core/gc_heap.py)
+            return self._submit_and_step(prompts, sampling_params, use_tqdm)
+
+    def _submit_and_step(
+        self,
+        prompts: list[tuple[str | None, list[int] | None, str | None]],
+        sampling_params: Sequence[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         eng = self.llm_engine
         # Validate everything first so that one bad prompt leaves nothing half-submitted.
         ids = []

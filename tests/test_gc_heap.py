@@ -52,3 +52,36 @@ def test_freeze_collects_first_then_keeps_collecting_what_comes_later():
 def test_freeze_can_be_turned_off():
     r = _probe("0")
     assert r["frozen"] == 0 and r["count"] == 0
+
+
+DEFER_PROBE = r"""
+import gc, json
+from kvledger.core.gc_heap import deferred_full_collections
+
+full = []
+gc.callbacks.append(lambda phase, info: phase == "stop" and info["generation"] == 2 and full.append(1))
+
+def grow(n):  # long-lived growth: what sets off full collections
+    return [[i] for i in range(n)]
+
+before = gc.get_threshold()
+with deferred_full_collections():
+    kept = grow(300_000)
+    inside = len(full)
+restored = gc.get_threshold() == before
+kept2 = grow(300_000)
+print(json.dumps({"inside": inside, "after": len(full) - inside, "restored": restored}))
+"""
+
+
+def test_full_collections_wait_for_the_block_to_end():
+    """What LLM.generate's step loop runs under: no full walk inside, the caller's thresholds after
+    (and the same growth outside the block does set one off, so the probe can tell)."""
+    env = dict(os.environ)
+    env.pop(GC_FREEZE_ENV, None)
+    out = subprocess.run([sys.executable, "-c", DEFER_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["inside"] == 0, r
+    assert r["after"] >= 1, r
+    assert r["restored"], r

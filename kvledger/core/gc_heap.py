@@ -6,14 +6,18 @@ tiny model's server here, and the step or stream waiting on it stalls for as lon
 heap after start-up moves those objects to the permanent generation, which collections skip;
 objects made later are still collected as before. Only kvledger's own processes do this (the
 `kvledger serve` front end and the engine core): a library must not freeze its caller's heap,
-whose objects would then never be reclaimed if they became cyclic garbage.
+whose objects would then never be reclaimed if they became cyclic garbage. `LLM.generate` runs
+its step loop with full collections deferred instead (`deferred_full_collections`): young
+generations are collected as usual, the full walk waits until the call returns.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
+from collections.abc import Iterator
 
 GC_FREEZE_ENV = "KVLEDGER_GC_FREEZE"  # "0": leave the collector as it is
 _atexit_registered = False
@@ -34,3 +38,20 @@ def freeze_gc_heap() -> int:
         atexit.register(gc.unfreeze)
         _atexit_registered = True
     return gc.get_freeze_count()
+
+
+@contextlib.contextmanager
+def deferred_full_collections() -> Iterator[None]:
+    """No automatic generation-2 collection inside the block (generations 0 and 1 as usual);
+    the caller's thresholds are restored on the way out. Off with KVLEDGER_GC_FREEZE=0 too."""
+    if os.environ.get(GC_FREEZE_ENV, "1") == "0":
+        yield
+        return
+    old = gc.get_threshold()
+    gc.set_threshold(old[0], old[1], 1 << 30)
+    try:
+        yield
+    finally:
+        now = gc.get_threshold()
+        if now[2] == 1 << 30:  # unless the caller changed them meanwhile
+            gc.set_threshold(now[0], now[1], old[2])
