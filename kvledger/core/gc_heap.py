@@ -6,9 +6,9 @@ tiny model's server here, and the step or stream waiting on it stalls for as lon
 heap after start-up moves those objects to the permanent generation, which collections skip;
 objects made later are still collected as before. Only kvledger's own processes do this (the
 `kvledger serve` front end and the engine core): a library must not freeze its caller's heap,
-whose objects would then never be reclaimed if they became cyclic garbage. `LLM.generate` runs
-its step loop with full collections deferred instead (`deferred_full_collections`): young
-generations are collected as usual, the full walk waits until the call returns.
+whose objects would then never be reclaimed if they became cyclic garbage. `LLM.generate` / `chat`
+run with full collections deferred instead (`deferred_full_collections`): young generations are
+collected as usual, the full walk waits until the call returns.
 """
 
 from __future__ import annotations
