@@ -6,7 +6,7 @@ cycled through more copies than the L3 cache holds, as in a real decode step, wh
 weight comes from memory. The last section compares the native decode over each KV format
 (bf16 cache vs int8 / fp8 codes with per-token scales) at 1,000-token contexts, in one run, the
 formats' calls interleaved for their ratios.
-The instruction set is the best this CPU runs, or KVLEDGER_NATIVE_ISA (avx512 / avx2).
+The instruction set is the best this CPU runs, or KVLEDGER_NATIVE_ISA (avx512 / avx512-base / avx2).
 
     python -m benchmarks.native_kernels [--threads 2] [--dtype bfloat16]
 """

@@ -89,6 +89,29 @@ def test_a_weight_packed_for_one_build_is_refused_by_another(monkeypatch):
 
 
 @needs_native
+def test_avx512_base_leaves_out_the_optional_instructions(monkeypatch):
+    """avx512-base is the build an AVX-512 CPU without avx512_bf16 / avx512_vnni runs: no
+    vdpbf16ps GEMM (bf16 weights stay row-major) and no vpdpwssd, whatever this CPU has, so those
+    fallbacks run their tests here too (the isa fixture); avx512 has them where the CPU does."""
+    isas = native.cpu_isas()
+    if "avx512" not in isas:
+        pytest.skip("needs an AVX-512 CPU")
+    assert "avx512-base" in isas
+    flags = native._cpu_flags().split()
+    assert not {"-mavx512bf16", "-mavx512vnni"} & set(native.isa_flags("avx512-base"))
+    assert ("-mavx512vnni" in native.isa_flags("avx512")) == ("avx512_vnni" in flags)
+    try:
+        for isa, packed in [("avx512-base", False), ("avx512", "avx512_bf16" in flags)]:
+            monkeypatch.setenv(native.ISA_ENV, isa)
+            native.library.cache_clear()
+            assert native.library().isa == isa
+            assert native.library().bf16_packed == packed
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+
+
+@needs_native
 def test_small_gemm_rejects_unsupported_shapes():
     with pytest.raises(ValueError, match="unsupported shape"):
         native.small_gemm(torch.randn(2, 12), torch.randn(4, 12), None)

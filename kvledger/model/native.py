@@ -6,9 +6,10 @@ these kernels are plain C with intrinsics and OpenMP, compile in a few seconds o
 (one compiler per source, in parallel), and load in milliseconds, so start-up stays within bounds.
 
 Instruction sets: every source is built for one of ``ISAS`` (csrc/simd.h), chosen at run time
-from the CPU's flags, best first: ``avx512`` (AVX-512 F/BW/VL/DQ, with vdpbf16ps where the CPU
-has avx512_bf16) or ``avx2`` (AVX2+FMA+F16C). ``KVLEDGER_NATIVE_ISA=avx2`` (or ``avx512``)
-forces one, so that a CPU of either kind can test every path it can run; ``KVLEDGER_NATIVE=0``
+from the CPU's flags, best first: ``avx512`` (AVX-512 F/BW/VL/DQ, with vdpbf16ps and vpdpwssd
+where the CPU has avx512_bf16 / avx512_vnni), ``avx512-base`` (the same without those two: what
+an AVX-512 CPU lacking them runs) or ``avx2`` (AVX2+FMA+F16C). ``KVLEDGER_NATIVE_ISA=avx2`` (or
+``avx512-base``, ``avx512``) forces one, so that a CPU can test every path it can run; ``KVLEDGER_NATIVE=0``
 (or ``KVLEDGER_NATIVE_ISA=torch``) turns the kernels off. Everything here is optional: without a
 compiler, on a CPU without AVX2/FMA/F16C, callers get None and use torch's own kernels.
 """
@@ -34,11 +35,16 @@ logger = logging.getLogger("kvledger")
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Instruction sets, best first: the CPU flags each needs, and the compiler flags it is built with.
+# "avx512" adds the optional avx512_bf16 / avx512_vnni instructions where the CPU has them
+# (isa_flags); "avx512-base" is the same build without them, i.e. what an AVX-512 CPU lacking them
+# runs, so those fallbacks are tested (KVLEDGER_NATIVE_ISA=avx512-base) on a CPU that has them.
+_AVX512 = (
+    ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+)
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512": (
-        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
-        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
-    ),
+    "avx512": _AVX512,
+    "avx512-base": _AVX512,
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
 }
 ISA_ENV = "KVLEDGER_NATIVE_ISA"
@@ -87,7 +93,7 @@ def cpu_isas() -> list[str]:
 
 def isa_flags(isa: str) -> list[str]:
     """Compiler flags of one instruction set; avx512 adds vdpbf16ps and vpdpwssd where the CPU
-    has them."""
+    has them (avx512-base never does)."""
     flags = list(ISAS[isa][1])
     cpu = _cpu_flags().split()
     if isa == "avx512" and "avx512_bf16" in cpu:
