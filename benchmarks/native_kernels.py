@@ -32,14 +32,7 @@ L3_BYTES = 96 << 20  # cycle through at least this much data per measurement
 def timeit(fn, reps: int) -> float:
     """Median milliseconds per call: on a shared machine a mean is dominated by the calls that
     lost their core to another process; the median is the kernel's own time."""
-    for i in range(3):
-        fn(i)
-    times = []
-    for i in range(reps):
-        t = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return _interleaved({"": fn}, reps)[""]
 
 
 def row(name: str, ours: float, peer: float, peer_name: str) -> None:
@@ -87,7 +80,7 @@ def paged_decode(dtype: torch.dtype) -> None:
 
 
 def _interleaved(calls: dict, reps: int) -> dict:
-    """Median ms of each call, the calls taking turns (after each has run 3 times)."""
+    """Median ms of each call (see timeit), the calls taking turns (after each has run 3 times)."""
     for fn in calls.values():
         for i in range(3):
             fn(i)
