@@ -23,6 +23,10 @@ GC_FREEZE_ENV = "KVLEDGER_GC_FREEZE"  # "0": leave the collector as it is
 _atexit_registered = False
 
 
+def _turned_off() -> bool:
+    return os.environ.get(GC_FREEZE_ENV, "1") == "0"
+
+
 def freeze_gc_heap() -> int:
     """Collect, then freeze everything alive; the number of frozen objects (0 when turned off).
 
@@ -30,7 +34,7 @@ def freeze_gc_heap() -> int:
     heap is unfrozen, so finalizers run as in an unfrozen process.
     """
     global _atexit_registered
-    if os.environ.get(GC_FREEZE_ENV, "1") == "0":
+    if _turned_off():
         return 0
     gc.collect()
     gc.freeze()
@@ -44,7 +48,7 @@ def freeze_gc_heap() -> int:
 def deferred_full_collections() -> Iterator[None]:
     """No automatic generation-2 collection inside the block (generations 0 and 1 as usual);
     the caller's thresholds are restored on the way out. Off with KVLEDGER_GC_FREEZE=0 too."""
-    if os.environ.get(GC_FREEZE_ENV, "1") == "0":
+    if _turned_off():
         yield
         return
     old = gc.get_threshold()
