@@ -196,6 +196,14 @@ def _elementwise_case(m: int, dtype: torch.dtype) -> None:
         timeit(peer, 200),
         "torch ",
     )
+    rows = min(m, 64)  # greedy sampling: one float32 logits row per decoding request
+    logits = torch.randn(rows, 32000)
+    row(
+        f"argmax [{rows}x32000]",
+        timeit(lambda i: native.argmax_rows(logits), 200),
+        timeit(lambda i: logits.argmax(dim=-1), 200),
+        "torch ",
+    )
 
 
 def main() -> int:

@@ -636,3 +636,39 @@ def test_quantize_write_is_bit_identical_to_kv_quant(isa, fmt, dtype):
         others = torch.ones(64, dtype=torch.bool)
         others[slots] = False
         assert not codes.view(64, hkv, d)[others].any(), "other slots untouched"
+
+
+@needs_native
+@pytest.mark.parametrize(("rows", "n"), [(1, 1), (1, 15), (3, 17), (7, 1000), (56, 32000), (2, 151_936)])
+def test_argmax_rows_equals_torch_argmax(isa, rows, n):
+    """Greedy sampling's argmax: the same index as torch on random rows, on rows of ties (the
+    first wins), of -inf only, of +-0.0, with NaN (torch's first NaN) and +inf, at every width
+    (vector body and tail), on a row-strided view and over one and two threads."""
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    x = torch.randn(rows, n, generator=g)
+    special = torch.randint(0, 4, (rows, n), generator=g).float()  # small integers: many ties
+    cases = [x, special, torch.full((rows, n), float("-inf")), -special.mul(0.0), torch.zeros(rows, n)]
+    nan, inf = special.clone(), special.clone()
+    for r in range(rows):
+        j = int(torch.randint(0, n, (1,), generator=g))
+        nan[r, j], inf[r, n - 1 - j] = float("nan"), float("inf")
+        if n > 2:
+            nan[r, (j * 5 + 1) % n] = float("inf")
+    cases += [nan, inf, torch.cat([x, x], dim=1)[:, :n]]  # the last: rows strided by 2n
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for c in cases:
+                assert c.stride(1) == 1
+                assert torch.equal(native.argmax_rows(c), c.argmax(dim=-1))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_argmax_rows_declines_what_it_does_not_take():
+    """The sampler falls back to torch for these: no kernel call on them."""
+    assert native.argmax_rows(torch.randn(3, 8, dtype=torch.float64)) is None
+    assert native.argmax_rows(torch.randn(8, 3).T) is None  # columns not contiguous
+    assert native.argmax_rows(torch.randn(8)) is None
+    assert native.argmax_rows(torch.randn(1, 8).expand(3, 8)) is None  # rows overlap

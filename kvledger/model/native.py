@@ -212,6 +212,8 @@ def library() -> ctypes.CDLL | None:
     lib.kvl_quantize_write.argtypes = [ptr, ptr, i64, c_int, ptr, i64, i64, i64, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
     lib.kvl_masked_argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, c_int]
     lib.kvl_masked_argmax.restype = c_int
+    lib.kvl_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, c_int]
+    lib.kvl_argmax_rows.restype = c_int
     for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
                lib.kvl_pack_weight, lib.kvl_bf16_packed_available, lib.kvl_paged_decode, lib.kvl_rope_inplace,
                lib.kvl_rope_inplace_bf16, lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul,
@@ -255,6 +257,31 @@ def masked_argmax(
             mask.shape[1], idx.data_ptr(), len(rows), out.data_ptr(), threads or torch.get_num_threads(),
         ),
         "masked_argmax",
+    )
+    return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(logits, dim=-1) of a 2-D float32 CPU tensor with unit column stride
+    (csrc/argmax.c: same first index of the maximum, same NaN rule), rows over torch's intra-op
+    threads; None where the kernels do not run here."""
+    lib = library()
+    if (
+        lib is None
+        or logits.dim() != 2
+        or logits.dtype != torch.float32
+        or logits.device.type != "cpu"
+        or logits.stride(1) != 1
+        or logits.shape[1] == 0
+        or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1])  # overlapping rows
+    ):
+        return None
+    rows, n = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    stride = logits.stride(0) if rows > 1 else n
+    _check(
+        lib.kvl_argmax_rows(logits.data_ptr(), stride, rows, n, out.data_ptr(), torch.get_num_threads()),
+        "argmax_rows",
     )
     return out
 
