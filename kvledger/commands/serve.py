@@ -243,7 +243,7 @@ def capacity_line(info: Any) -> str:
     )
 
 
-OMP_SPIN_COUNT = "10000"
+OMP_SPIN_COUNT = "1000000"  # ~26 ms of spinning on this machine's cores, then sleep
 
 
 def set_omp_wait_defaults(env) -> None:
@@ -251,12 +251,15 @@ def set_omp_wait_defaults(env) -> None:
     (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set: both kept as they are).
 
     Workers that spin without bound (libgomp's ACTIVE) take the core the other process (front
-    end or engine core) needs: on 2 shared cores the engine core ran ~10x slower. Workers that
-    sleep at once (PASSIVE) must be woken for each of a step's ~100 parallel regions, and the
-    cores sat idle between them: bf16 60M model, 8 streams, 324-350 tok/s. Spinning a short
-    while first (GOMP_SPINCOUNT 10,000, then sleeping) bridges the gaps between one step's
-    regions but not the idle time between steps: 464-474 tok/s at 8 streams, 64 streams and the
-    tiny model within run-to-run noise (docs/benchmarks.md, issue 24).
+    end or engine core) needs: on 2 shared cores the engine core ran ~10x slower, and an idle
+    server would keep a core busy. Workers that sleep at once (PASSIVE) must be woken for each
+    of a step's ~100 parallel regions, and the cores sat idle between them: bf16 60M model, 8
+    streams, 324-350 tok/s. A bounded spin bridges the gaps: 10,000 spins (~0.26 ms) covered
+    those inside a step, 464-474 tok/s; 1,000,000 (~26 ms) also covers the engine core's work
+    between steps (outputs, scheduling, inputs: 2-3 ms), so the worker is never put to sleep
+    and woken again while requests run: +11 % tok/s at 56 streams and +17 % at 8 (medians of
+    five alternated runs each, 60M bf16, docs/benchmarks.md issue 24 session 9). An idle
+    server's workers stop spinning ~26 ms after its last step.
     """
     if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         return
