@@ -647,7 +647,8 @@ def test_argmax_rows_equals_torch_argmax(isa, rows, n):
     g = torch.Generator().manual_seed(rows * 7 + n)
     x = torch.randn(rows, n, generator=g)
     special = torch.randint(0, 4, (rows, n), generator=g).float()  # small integers: many ties
-    cases = [x, special, torch.full((rows, n), float("-inf")), -special.mul(0.0), torch.zeros(rows, n)]
+    signed_zeros = torch.where(special > 1, torch.tensor(0.0), torch.tensor(-0.0))  # equal: the first wins
+    cases = [x, special, torch.full((rows, n), float("-inf")), signed_zeros, torch.zeros(rows, n)]
     nan, inf = special.clone(), special.clone()
     for r in range(rows):
         j = int(torch.randint(0, n, (1,), generator=g))
