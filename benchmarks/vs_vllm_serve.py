@@ -19,7 +19,12 @@ soup, which each server's detokenizer handles differently, so both are measured.
 The load (``benchmarks.common.make_workload`` over the model's vocabulary): token-id prompts of 32-256,
 ``max_tokens`` 16-64 for 90 % of requests and 256-512 for 10 %, ``ignore_eos``, greedy, streamed
 ``/v1/completions`` with ``return_token_ids`` (vLLM's extension, which kvledger implements), from
-an ``httpx`` async client keeping ``C`` requests in flight, after a short warm-up.
+an async client keeping ``C`` requests in flight, after a short warm-up. The client is aiohttp
+(``--client``; vLLM's ``bench serve`` uses it too): on this 2-core machine the client shares the
+cores with the server, and httpx took twice its CPU (0.22-0.30 cores against 0.10-0.14 at the
+same loads), taken from the server and added to every latency it timed, more so the more tokens
+per second a server streams (docs/benchmarks.md, issue 24 session 10). ``--client httpx`` keeps
+the earlier sessions' client.
 
 Figures per run: generated tok/s over the timed phase; TTFT (request sent -> first chunk
 carrying a token) p50/p99; inter-token latency (gap between consecutive token-bearing chunks,
@@ -230,8 +235,8 @@ class Result:
     error: str | None = None
 
 
-async def one_request(client: Any, url: str, req: dict[str, Any]) -> Result:
-    body = {
+def _body(req: dict[str, Any]) -> dict[str, Any]:
+    return {
         "model": MODEL_NAME,
         "prompt": req["prompt_token_ids"],
         "max_tokens": req["max_tokens"],
@@ -240,68 +245,118 @@ async def one_request(client: Any, url: str, req: dict[str, Any]) -> Result:
         "stream": True,
         "return_token_ids": True,
     }
+
+
+def _on_line(res: Result, line: bytes | str, last: float) -> float:
+    """One SSE line into res; returns the time of the last token-bearing chunk."""
+    if isinstance(line, str):
+        line = line.encode()
+    line = line.strip()
+    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+        return last
+    chunk = json.loads(line[6:])
+    if "error" in chunk:
+        res.error = str(chunk["error"])[:300]
+        return last
+    ids = [t for c in chunk.get("choices", []) for t in (c.get("token_ids") or [])]
+    if not ids:
+        return last
+    now = time.perf_counter()
+    if res.ttft is None:
+        res.ttft = now - res.start
+    else:
+        res.itl.append(now - last)
+    res.token_ids += ids
+    return now
+
+
+async def one_request(client: Any, url: str, req: dict[str, Any]) -> Result:
+    """One streamed request through httpx (--client httpx)."""
     res = Result()
-    t0 = last = res.start = time.perf_counter()
+    last = res.start = time.perf_counter()
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async with client.stream("POST", f"{url}/v1/completions", json=_body(req)) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
                 return res
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = str(chunk["error"])[:300]
-                    continue
-                ids = [t for c in chunk.get("choices", []) for t in (c.get("token_ids") or [])]
-                if not ids:
-                    continue
-                now = time.perf_counter()
-                if res.ttft is None:
-                    res.ttft = now - t0
-                else:
-                    res.itl.append(now - last)
-                last = now
-                res.token_ids += ids
+                last = _on_line(res, line, last)
     except Exception as e:  # a failed request is reported, not fatal
         res.error = f"{type(e).__name__}: {e}"
     return res
 
 
+async def one_request_aiohttp(session: Any, url: str, req: dict[str, Any]) -> Result:
+    """One streamed request through aiohttp (the default; vLLM's `bench serve` client)."""
+    res = Result()
+    last = res.start = time.perf_counter()
+    try:
+        async with session.post(f"{url}/v1/completions", json=_body(req)) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.read())[:300]!r}"
+                return res
+            async for line in r.content:  # one SSE line at a time
+                last = _on_line(res, line, last)
+    except Exception as e:  # a failed request is reported, not fatal
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+CLIENTS = ("aiohttp", "httpx")
+
+
 async def drive(
-    url: str, workload: list[dict[str, Any]], concurrency: int
+    url: str, workload: list[dict[str, Any]], concurrency: int, client: str = "aiohttp"
 ) -> tuple[list[Result], float]:
-    import httpx
-
-    # Pooled connections expire before the servers' 5 s keep-alive (uvicorn's default, both
-    # servers): at equal timeouts a request can take a connection the server is closing that
-    # instant, an empty ReadError that no server can prevent (seen once at 256 streams).
-    limits = httpx.Limits(
-        max_connections=concurrency + 4,
-        max_keepalive_connections=concurrency + 4,
-        keepalive_expiry=2.0,
-    )
+    """Keep `concurrency` requests in flight until the workload is done."""
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    if client == "aiohttp":
+        import aiohttp
 
-        async def bounded(req: dict[str, Any]) -> Result:
-            async with sem:
-                return await one_request(client, url, req)
+        # Keep-alive shorter than the servers' 5 s (uvicorn's default, both servers), as below.
+        conn = aiohttp.TCPConnector(limit=concurrency + 4, keepalive_timeout=2.0)
+        async with aiohttp.ClientSession(
+            connector=conn, timeout=aiohttp.ClientTimeout(total=600), read_bufsize=1 << 16
+        ) as session:
 
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(bounded(r) for r in workload))
-        for r in results:
-            r.start -= t0
-        return list(results), time.perf_counter() - t0
+            async def bounded(req: dict[str, Any]) -> Result:
+                async with sem:
+                    return await one_request_aiohttp(session, url, req)
+
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(bounded(r) for r in workload))
+    else:
+        import httpx
+
+        # Pooled connections expire before the servers' 5 s keep-alive (uvicorn's default, both
+        # servers): at equal timeouts a request can take a connection the server is closing that
+        # instant, an empty ReadError that no server can prevent (seen once at 256 streams).
+        limits = httpx.Limits(
+            max_connections=concurrency + 4,
+            max_keepalive_connections=concurrency + 4,
+            keepalive_expiry=2.0,
+        )
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as hclient:
+
+            async def bounded(req: dict[str, Any]) -> Result:
+                async with sem:
+                    return await one_request(hclient, url, req)
+
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(bounded(r) for r in workload))
+    for r in results:
+        r.start -= t0
+    return list(results), time.perf_counter() - t0
 
 
-def run_load(server: Server, workload: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+def run_load(
+    server: Server, workload: list[dict[str, Any]], concurrency: int, client: str = "aiohttp"
+) -> dict[str, Any]:
     assert server.proc is not None
     busy0, own0 = _system_busy_s(), tree_cpu_s(server.proc.pid)
     front0 = proc_cpu_s(server.proc.pid)
     me0 = time.process_time()
-    results, wall = asyncio.run(drive(server.url, workload, concurrency))
+    results, wall = asyncio.run(drive(server.url, workload, concurrency, client))
     server_cpu = tree_cpu_s(server.proc.pid) - own0
     front_cpu = proc_cpu_s(server.proc.pid) - front0
     client_cpu = time.process_time() - me0
@@ -331,6 +386,7 @@ def run_load(server: Server, workload: list[dict[str, Any]], concurrency: int) -
         "frontend_cpu_ms_per_token": front_cpu / max(1, n_gen) * 1e3,
         "server_cores": server_cpu / wall,
         "client_cpu_s": client_cpu,
+        "client": client,
         "foreign_cores_avg": foreign / wall,
         "errors": errors[:5],
         "num_errors": len(errors),
@@ -356,7 +412,7 @@ def serve_and_measure(
     try:
         vocab = a.vocab_size
         warm = make_workload(n=a.warmup, seed=999, vocab_size=vocab, long_frac=0.0)
-        run_load(server, warm, min(a.warmup, 8))
+        run_load(server, warm, min(a.warmup, 8), a.client)
         runs = []
         for n, c in loads:
             for rep in range(a.repeats):
@@ -364,7 +420,7 @@ def serve_and_measure(
                 prof = None
                 if a.profile and c == max(x[1] for x in loads) and rep == 0:
                     prof = start_profile(server, a, n, c, rep)
-                r = run_load(server, wl, c)
+                r = run_load(server, wl, c, a.client)
                 if prof is not None:
                     prof.send_signal(signal.SIGINT)
                     prof.wait(120)
@@ -377,7 +433,7 @@ def serve_and_measure(
                     f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms, server CPU "
                     f"{r['server_cpu_ms_per_token']:.2f} ms/tok (front end "
                     f"{r['frontend_cpu_ms_per_token']:.2f}), {r['server_cores']:.2f} cores busy, "
-                    f"errors {r['num_errors']}, "
+                    f"errors {r['num_errors']}, client {r['client_cpu_s'] / r['wall_s']:.2f} cores, "
                     f"foreign {r['foreign_cores_avg']:.2f} cores",
                     flush=True,
                 )
@@ -499,6 +555,8 @@ def main() -> None:
         help="a kvledger variant: extra `kvledger serve` flags under a name for --engines, "
         "e.g. 'kvledger-cap512=--max-prefill-tokens-while-decoding 512'",
     )
+    ap.add_argument("--client", default="aiohttp", choices=CLIENTS,
+                    help="the load generator's HTTP client (aiohttp: vLLM's bench serve's)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=8, help="warm-up requests before timing")
     ap.add_argument("--seed", type=int, default=0)
