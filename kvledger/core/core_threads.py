@@ -18,9 +18,11 @@ faster with two threads, yet it serves far better with one; and a busy neighbour
 makes the split look slower than it is.)
 
 With one thread chosen, what grows with the load rather than the model still takes all threads
-(``native.set_split_threads``): a decode attention over megabytes of K/V and a step of 256 or
-more tokens. At 64 streams the tiny model's core spent 41 % of its time in one-thread decode
-attention beside an idle core; a burst of prefills waited on one thread's matmuls.
+(``native.set_split_threads``): a decode attention over megabytes of K/V and a step of 32 or
+more tokens (``native.SPLIT_STEP_TOKENS``: any step carrying a prompt's prefill, or 32+ decoding
+rows). At 64 streams the tiny model's core spent 41 % of its time in one-thread decode
+attention beside an idle core; a prefill on one thread set the inter-token p99 of the streams
+decoding beside it.
 """
 
 from __future__ import annotations

@@ -479,11 +479,14 @@ def can_paged_decode(layer_cache, num_heads: int, dtype: torch.dtype) -> bool:
 # with one torch thread (core_threads.py: a small model's decode matmuls are not worth a second
 # thread, whose core the front end needs) still splits what grows with the load and not the
 # model: a decode attention reading megabytes of K/V (one parallel region per layer; 41 % of
-# the tiny model's core at 64 streams, on one thread beside an idle core), and a step of many
-# tokens (a burst of prefills, whose matmuls a second thread halves).
+# the tiny model's core at 64 streams, on one thread beside an idle core), and a step of more
+# than a handful of tokens (one carrying a prompt's prefill, or 32+ decoding rows), whose
+# matmuls a second thread halves. The step threshold was 256 tokens; at 32, the tiny model's
+# prefill-carrying steps no longer run on one thread, which set its inter-token p99 at 8
+# streams (21-23 -> 14-17.5 ms, docs/benchmarks.md issue 24 session 10).
 _split_threads = 0
 DECODE_SPLIT_BYTES = 2 << 20  # K/V bytes one paged_decode call reads before it splits
-SPLIT_STEP_TOKENS = 256  # tokens in a step before its whole forward splits
+SPLIT_STEP_TOKENS = 32  # tokens in a step before its whole forward splits
 
 
 def set_split_threads(n: int) -> None:
