@@ -19,7 +19,7 @@ import random
 import statistics
 from pathlib import Path
 
-from benchmarks.common import print_header
+from benchmarks.common import BENCH_OUT, print_header
 from benchmarks.vs_vllm_serve import drive, kvledger_server, model_folder, run_load
 
 
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=1)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kvledger-args", default="")
-    ap.add_argument("--out-dir", default="bench_out/serve_fixed_load")
+    ap.add_argument("--out-dir", default=str(BENCH_OUT / "serve_fixed_load"))
     a = ap.parse_args()
     arms = [parse_arm(s) for s in (a.arm or ["default="])]
     if a.prompt_len + a.max_tokens > a.max_model_len:

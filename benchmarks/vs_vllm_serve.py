@@ -310,40 +310,35 @@ async def drive(
 ) -> tuple[list[Result], float]:
     """Keep `concurrency` requests in flight until the workload is done."""
     sem = asyncio.Semaphore(concurrency)
+    # Pooled connections expire before the servers' 5 s keep-alive (uvicorn's default, both
+    # servers): at equal timeouts a request can take a connection the server is closing that
+    # instant, an empty ReadError that no server can prevent (seen once at 256 streams).
     if client == "aiohttp":
         import aiohttp
 
-        # Keep-alive shorter than the servers' 5 s (uvicorn's default, both servers), as below.
         conn = aiohttp.TCPConnector(limit=concurrency + 4, keepalive_timeout=2.0)
-        async with aiohttp.ClientSession(
+        session = aiohttp.ClientSession(
             connector=conn, timeout=aiohttp.ClientTimeout(total=600), read_bufsize=1 << 16
-        ) as session:
-
-            async def bounded(req: dict[str, Any]) -> Result:
-                async with sem:
-                    return await one_request_aiohttp(session, url, req)
-
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(bounded(r) for r in workload))
+        )
+        one = one_request_aiohttp
     else:
         import httpx
 
-        # Pooled connections expire before the servers' 5 s keep-alive (uvicorn's default, both
-        # servers): at equal timeouts a request can take a connection the server is closing that
-        # instant, an empty ReadError that no server can prevent (seen once at 256 streams).
         limits = httpx.Limits(
             max_connections=concurrency + 4,
             max_keepalive_connections=concurrency + 4,
             keepalive_expiry=2.0,
         )
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as hclient:
+        session = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits)
+        one = one_request
+    async with session:
 
-            async def bounded(req: dict[str, Any]) -> Result:
-                async with sem:
-                    return await one_request(hclient, url, req)
+        async def bounded(req: dict[str, Any]) -> Result:
+            async with sem:
+                return await one(session, url, req)
 
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(bounded(r) for r in workload))
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(bounded(r) for r in workload))
     for r in results:
         r.start -= t0
     return list(results), time.perf_counter() - t0
