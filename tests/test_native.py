@@ -673,3 +673,45 @@ def test_argmax_rows_declines_what_it_does_not_take():
     assert native.argmax_rows(torch.randn(8, 3).T) is None  # columns not contiguous
     assert native.argmax_rows(torch.randn(8)) is None
     assert native.argmax_rows(torch.randn(1, 8).expand(3, 8)) is None  # rows overlap
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_gemm_writes_into_rows_of_a_given_output(isa, dtype):
+    """out=: the product lands in the given rows of a larger tensor, the other rows untouched,
+    with the same bits as a fresh result; a wrong shape, dtype or layout is refused."""
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 64).to(dtype), torch.randn(24, 64).to(dtype)
+    packed = native.pack_weight(w)
+    big = torch.full((9, 24), 7.0, dtype=dtype)
+    got = native.small_gemm(x, packed, None, out=big[2:7])
+    assert got.data_ptr() == big[2:7].data_ptr()
+    assert torch.equal(big[2:7], native.small_gemm(x, packed, None))
+    assert bool((big[:2] == 7).all()) and bool((big[7:] == 7).all())
+    for bad in (torch.empty(5, 23, dtype=dtype), torch.empty(24, 5, dtype=dtype).T,
+                torch.empty(5, 24, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="out"):
+            native.small_gemm(x, packed, None, out=bad)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_has_the_same_bits_on_every_lane_count(dtype, monkeypatch):
+    """silu_mul runs 16 lanes at a time on AVX-512 and finishes a row 8 at a time; the AVX2
+    build runs 8 throughout. Widths with and without an 8-lane tail give identical bits on every
+    instruction set this CPU runs, and match torch."""
+    results = {}
+    for isa in native.cpu_isas():
+        monkeypatch.setenv(native.ISA_ENV, isa)
+        native.library.cache_clear()
+        for inter in (8, 96, 104, 1800):
+            gate_up = (torch.randn(5, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 5).to(dtype)
+            got = native.silu_mul(gate_up)
+            results.setdefault(inter, []).append(got)
+            gate, up = gate_up.float().split(inter, dim=-1)
+            torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=1e-2, rtol=2.0**-7)
+    monkeypatch.undo()
+    native.library.cache_clear()
+    for inter, outs in results.items():
+        for other in outs[1:]:
+            assert torch.equal(other, outs[0]), inter

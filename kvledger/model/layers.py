@@ -80,6 +80,14 @@ class Linear(nn.Module):
             n = ROW_INVARIANT.rows if x.dtype == torch.bfloat16 else 0
             if n >= m:
                 return native.small_gemm(x, small, self.bias)
+            if n > 0 and n * OVERWRITE_MAX_FRACTION <= m:
+                # A few decode rows beside a long prefill: all rows through oneDNN, then the
+                # decode rows overwritten in place by the row-wise kernel. Their products are
+                # computed twice, but the output is not concatenated from two parts (a copy of
+                # every row) nor the prefill rows copied into a padded bucket of their own.
+                y = self._big(x)
+                native.small_gemm(x[:n], small, self.bias, out=y[:n])
+                return y
             if n > 0:  # the leading decode rows row-wise, the prefill rows through oneDNN
                 return torch.cat([native.small_gemm(x[:n], small, self.bias), self._big(x[n:])])
         return self._big(x)
@@ -115,6 +123,11 @@ class _RowInvariant:
 
 
 ROW_INVARIANT = _RowInvariant()
+# Leading row-wise rows of at most 1/this of a product: the whole product goes through oneDNN and
+# those rows are overwritten in place (see Linear.forward). Measured on the 60M model's bf16
+# shapes beside 56 decode rows: at 1,100-2,048 rows 0.81-1.00x the time of concatenating the two
+# parts; at 600 rows (9 %) 1.01-1.11x, at 200-300 rows 1.05-1.38x (docs/benchmarks.md, issue 24).
+OVERWRITE_MAX_FRACTION = 16
 
 
 def _onednn_bf16() -> bool:

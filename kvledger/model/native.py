@@ -375,11 +375,17 @@ def weight_rows(weight: GemmWeight, ids: torch.Tensor) -> torch.Tensor:
     return pairs.reshape(ids.shape[0], weight.k)
 
 
-def small_gemm(x: torch.Tensor, weight: GemmWeight | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def small_gemm(
+    x: torch.Tensor,
+    weight: GemmWeight | torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias) with the native kernel; CPU, float32 or bfloat16 (x,
     weight and bias of one dtype; bf16 accumulates in float32), K % 8 == 0, bias contiguous
     (the caller checks, see Linear.forward). A plain tensor is packed first (tests; layers keep
-    their GemmWeight)."""
+    their GemmWeight). ``out``: a contiguous [M, N] tensor of x's dtype to write into (rows of
+    a larger result), returned."""
     if isinstance(weight, torch.Tensor):
         if weight.dim() != 2 or weight.shape[1] % 8 or x.shape[-1] != weight.shape[1]:
             raise ValueError(f"small_gemm: unsupported shape x {tuple(x.shape)} weight {tuple(weight.shape)}")
@@ -400,7 +406,14 @@ def small_gemm(x: torch.Tensor, weight: GemmWeight | torch.Tensor, bias: torch.T
     m, k = x.shape
     if k != weight.k:
         raise ValueError(f"small_gemm: x {tuple(x.shape)} against a weight of {weight.k} columns")
-    y = torch.empty(m, weight.n, dtype=x.dtype)
+    if out is None:
+        y = torch.empty(m, weight.n, dtype=x.dtype)
+    elif out.shape != (m, weight.n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"small_gemm: out {tuple(out.shape)} {out.dtype} must be a contiguous ({m}, {weight.n}) {x.dtype}"
+        )
+    else:
+        y = out
     rc = fn(
         x.data_ptr(),
         weight.data.data_ptr(),

@@ -77,6 +77,13 @@ static inline void vstore_bf16(uint16_t *p, vf v) {
         x, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1))));
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
+/* bf16 rounding of VW floats, kept as floats (what a torch bf16 op stores, read back). */
+static inline vf vround_bf16(vf v) {
+    __m512i x = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(
+        x, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1))));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
 #else
 #define VW 8
 typedef __m256 vf;
@@ -132,6 +139,12 @@ static inline void vstore_bf16(uint16_t *p, vf v) {
     /* pack the low 16 bits of 8 int32 lanes */
     __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+static inline vf vround_bf16(vf v) {
+    __m256i x = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(
+        x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1))));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 #endif
 
