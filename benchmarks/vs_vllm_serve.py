@@ -62,6 +62,7 @@ from benchmarks.common import (
     save_json,
 )
 from benchmarks.profile_buckets import render
+from kvledger.core.step_trace import ENV as STEP_TRACE_ENV
 from kvledger.sim.simulator import percentile
 
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/work/bench_envs/vllm"))
@@ -114,6 +115,7 @@ class Server:
     log_path: Path
     port: int
     proc: subprocess.Popen | None = None
+    step_trace: Path | None = None  # kvledger --step-trace: the engine core's JSON lines
 
     @property
     def url(self) -> str:
@@ -169,7 +171,12 @@ def kvledger_server(folder: Path, a: argparse.Namespace, log: Path, name: str = 
     if str(REPO_ROOT) not in paths:
         paths.append(str(REPO_ROOT))  # this checkout's kvledger (kept after any earlier entry)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TOKENIZERS_PARALLELISM": "false"}
-    return Server(name, cmd, env, log, port)
+    trace = None
+    if a.step_trace:
+        trace = log.with_suffix(".steps.jsonl")
+        trace.unlink(missing_ok=True)
+        env[STEP_TRACE_ENV] = str(trace)
+    return Server(name, cmd, env, log, port, step_trace=trace)
 
 
 def vllm_server(folder: Path, a: argparse.Namespace, log: Path) -> Server:
@@ -230,7 +237,8 @@ def tree_cpu_s(root: int) -> float:
 class Result:
     token_ids: list[int] = field(default_factory=list)
     ttft: float | None = None
-    start: float = 0.0  # perf_counter when the request was sent
+    start: float = 0.0  # when the request was sent, seconds from the load's start
+    sent_at: float = 0.0  # the same, time.perf_counter() (CLOCK_MONOTONIC: the step trace's clock)
     itl: list[float] = field(default_factory=list)
     error: str | None = None
 
@@ -340,6 +348,7 @@ async def drive(
         t0 = time.perf_counter()
         results = await asyncio.gather(*(bounded(r) for r in workload))
     for r in results:
+        r.sent_at = r.start
         r.start -= t0
     return list(results), time.perf_counter() - t0
 
@@ -351,7 +360,9 @@ def run_load(
     busy0, own0 = _system_busy_s(), tree_cpu_s(server.proc.pid)
     front0 = proc_cpu_s(server.proc.pid)
     me0 = time.process_time()
+    t_from = time.perf_counter()
     results, wall = asyncio.run(drive(server.url, workload, concurrency, client))
+    t_to = time.perf_counter()
     server_cpu = tree_cpu_s(server.proc.pid) - own0
     front_cpu = proc_cpu_s(server.proc.pid) - front0
     client_cpu = time.process_time() - me0
@@ -388,7 +399,60 @@ def run_load(
         "outputs": [r.token_ids for r in results],
         # Per request: seconds from the load's start to its send, and its TTFT (None: none).
         "sent_ttft_s": [(r.start, r.ttft) for r in results],
+        "steps": step_summary(server.step_trace, t_from, t_to, results, concurrency, itl)
+        if server.step_trace
+        else None,
     }
+
+
+def step_summary(
+    path: Path, t_from: float, t_to: float, results: list[Result], concurrency: int, itl: list[float]
+) -> dict[str, Any] | None:
+    """Which engine steps made the load's tails (kvledger's --step-trace): its steps, the
+    opening burst's (until each of the first `concurrency` requests had its first token), and
+    the steps at least as long as the inter-token p99, with the decodes each held up."""
+    if not path.exists() or not itl:
+        return None
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [st for st in steps if t_from <= st["start"] <= t_to]
+    if not steps:
+        return None
+    firsts = [r.sent_at + r.ttft for r in results[:concurrency] if r.ttft is not None]
+    burst_end = max(firsts) if firsts else t_from
+    p99 = percentile(itl, 99)
+    dur = sorted(st["end"] - st["start"] for st in steps)
+
+    def part(sel: list[dict[str, Any]]) -> dict[str, Any]:
+        pf = [st["prefill_tokens"] for st in sel]
+        return {
+            "steps": len(sel),
+            "decodes_held": sum(st["decodes"] for st in sel),
+            "ms": [round((st["end"] - st["start"]) * 1e3, 1) for st in sel],
+            "prefill_tokens": [min(pf), max(pf)] if pf else None,
+        }
+
+    long = [st for st in steps if st["end"] - st["start"] >= p99]
+    return {
+        "steps": len(steps),
+        "step_ms_p50": percentile(dur, 50) * 1e3,
+        "step_ms_max": dur[-1] * 1e3,
+        "gaps": len(itl),
+        "itl_p99_ms": p99 * 1e3,
+        "burst": part([st for st in steps if st["start"] < burst_end]),
+        "long_after_burst": part([st for st in long if st["start"] >= burst_end]),
+    }
+
+
+def format_steps(s: dict[str, Any]) -> str:
+    b, la = s["burst"], s["long_after_burst"]
+    pf = lambda p: f"{p[0]:,}-{p[1]:,}" if p else "-"  # noqa: E731
+    return (
+        f"steps {s['steps']} (p50 {s['step_ms_p50']:.1f} ms, max {s['step_ms_max']:.0f}); opening burst "
+        f"{b['steps']} steps holding {b['decodes_held']} decodes, prefill {pf(b['prefill_tokens'])} tokens, "
+        f"{'/'.join(f'{x:.0f}' for x in b['ms'])} ms; after it, {la['steps']} steps >= the ITL p99 "
+        f"({s['itl_p99_ms']:.0f} ms) holding {la['decodes_held']} decodes, prefill {pf(la['prefill_tokens'])}"
+        f" (1 % of the {s['gaps']:,} gaps: {s['gaps'] // 100})"
+    )
 
 
 def parse_loads(spec: str) -> list[tuple[int, int]]:
@@ -432,6 +496,8 @@ def serve_and_measure(
                     f"foreign {r['foreign_cores_avg']:.2f} cores",
                     flush=True,
                 )
+                if r.get("steps"):
+                    print(f"    {server.engine} {format_steps(r['steps'])}", flush=True)
         return {"startup_s": startup, "runs": runs}
     finally:
         server.stop()
@@ -558,6 +624,9 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=int, default=1)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kvledger-args", default="", help="extra `kvledger serve` flags")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="kvledger's engine core writes a line per step (KVLEDGER_STEP_TRACE); "
+                    "each run then says which steps made its tails")  # fmt: skip
     ap.add_argument("--vllm-args", default="", help="extra vLLM api_server flags")
     ap.add_argument("--profile", default="", choices=["", "svg", "txt", "json"],
                     help="py-spy record each server during its highest-concurrency load (txt: raw "

@@ -5,11 +5,14 @@ figure never depends on which one measured it (only on how much CPU the client t
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import pytest
 
 from benchmarks.common import make_workload
-from benchmarks.vs_vllm_serve import CLIENTS, MODEL_NAME, drive
+from benchmarks.vs_vllm_serve import CLIENTS, MODEL_NAME, drive, format_steps, step_summary
+from kvledger.core.step_trace import ENV as STEP_TRACE_ENV
 from tests.test_server import STORIES, ServerProcess
 
 
@@ -18,10 +21,14 @@ def bench_server(tmp_path_factory):
     if not (STORIES / "config.json").exists():
         pytest.skip(f"stories260k not found at {STORIES}")
     log = tmp_path_factory.mktemp("bench_client") / "server.log"
-    srv = ServerProcess(
-        str(STORIES), "--served-model-name", MODEL_NAME, "--torch-threads", "1", "--no-dashboard",
-        log_path=log,
-    )  # fmt: skip
+    trace = log.with_suffix(".steps.jsonl")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(STEP_TRACE_ENV, str(trace))  # what --step-trace does
+        srv = ServerProcess(
+            str(STORIES), "--served-model-name", MODEL_NAME, "--torch-threads", "1", "--no-dashboard",
+            log_path=log,
+        )  # fmt: skip
+    srv.step_trace = trace
     try:
         srv.wait_ready()
         yield srv
@@ -57,3 +64,31 @@ def test_a_failed_request_is_reported_not_fatal(bench_server):
             results[0].error,
         )
         assert results[0].token_ids == []
+
+
+def test_the_step_trace_accounts_for_every_token_of_a_load(bench_server):
+    """KVLEDGER_STEP_TRACE (vs_vllm_serve --step-trace): the core's steps within a load's window
+    carry exactly its prompt tokens as prefill and one decode per later token (ignore_eos,
+    prompts of fresh random tokens: no prefix-cache hits), and the summary attributes them."""
+    workload = make_workload(
+        n=8, seed=77, prompt_len=(20, 60), short_out=(6, 14), long_frac=0.0, vocab_size=512
+    )
+    t_from = time.perf_counter()
+    results, _ = asyncio.run(drive(bench_server.url, workload, 4, "aiohttp"))
+    t_to = time.perf_counter()
+    assert all(r.error is None for r in results)
+    steps = [json.loads(x) for x in bench_server.step_trace.read_text().splitlines()]
+    steps = [st for st in steps if t_from <= st["start"] <= t_to]
+    assert all(st["end"] >= st["start"] for st in steps)
+    assert sum(st["prefill_tokens"] for st in steps) == sum(len(r["prompt_token_ids"]) for r in workload)
+    assert sum(st["decodes"] for st in steps) == sum(r["max_tokens"] - 1 for r in workload)
+    assert max(st["decodes"] for st in steps) <= 4  # never more running than the concurrency
+    itl = [x for r in results for x in r.itl]
+    s = step_summary(bench_server.step_trace, t_from, t_to, results, 4, itl)
+    assert s is not None and s["steps"] == len(steps) and s["gaps"] == len(itl)
+    # The opening burst: the steps until each of the first 4 requests had its first token,
+    # which together prefilled at least those 4 prompts.
+    burst = [st for st in steps if st["start"] < max(r.sent_at + r.ttft for r in results[:4])]
+    assert s["burst"]["steps"] == len(burst) >= 1
+    assert sum(st["prefill_tokens"] for st in burst) >= sum(len(r["prompt_token_ids"]) for r in workload[:4])
+    assert "opening burst" in format_steps(s)

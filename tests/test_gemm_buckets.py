@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from kvledger.model import native
-from kvledger.model.layers import OVERWRITE_MAX_FRACTION, ROW_INVARIANT, Linear, gemm_rows_bucket
+from kvledger.model.layers import (
+    OVERWRITE_MAX_FRACTION,
+    OVERWRITE_MIN_ROWS,
+    ROW_INVARIANT,
+    Linear,
+    gemm_rows_bucket,
+)
 
 
 def test_buckets_cover_every_row_count_with_bounded_padding_and_few_shapes():
@@ -50,13 +56,12 @@ def _bf16_linear(k: int, n: int) -> Linear:
     return lin
 
 
-@pytest.mark.parametrize("m", [70, 120, 300, 1100, 2048])
-def test_bf16_leading_rows_are_row_wise_on_both_split_paths(m, monkeypatch):
+@pytest.mark.parametrize(("m", "n"), [(70, 7), (300, 7), (1100, 7), (1100, 100), (2048, 7)])
+def test_bf16_leading_rows_are_row_wise_on_both_split_paths(m, n, monkeypatch):
     """A bf16 product whose leading `n` rows are decodes (ROW_INVARIANT): those rows come from
     the native row-wise kernel whatever the rest (batch invariance), the rest from oneDNN, on
-    the concatenating path (n > m / 16) and the in-place overwrite path (n <= m / 16) alike."""
+    the concatenating path and the in-place overwrite path (m >= 1,024, n <= m / 16) alike."""
     lin = _bf16_linear(512, 48)
-    n = 7
     x = torch.randn(m, 512).bfloat16()
     ref_w, ref_b = lin.ref
     with ROW_INVARIANT.leading(n):
@@ -68,8 +73,8 @@ def test_bf16_leading_rows_are_row_wise_on_both_split_paths(m, monkeypatch):
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=0.25)
     # Which kernel made which rows: oneDNN's results marked (+ 1024) must survive exactly in the
     # prefill rows and nowhere in the decode rows (here the two kernels agree to the bit).
-    overwrite = n * OVERWRITE_MAX_FRACTION <= m
-    assert overwrite == (m >= 120)
+    overwrite = m >= OVERWRITE_MIN_ROWS and n * OVERWRITE_MAX_FRACTION <= m
+    assert overwrite == (m >= 1100 and n == 7)
     seen = []
     monkeypatch.setattr(lin, "_big", lambda t: seen.append(t.shape[0]) or Linear._big(lin, t) + 1024)
     with ROW_INVARIANT.leading(n):

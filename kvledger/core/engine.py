@@ -21,6 +21,7 @@ from kvledger.core.model_runner import ModelRunner, RunnerOutput
 from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.request import Request, RequestStatus
 from kvledger.core.scheduler import Scheduler, SchedulerOutput
+from kvledger.core.step_trace import StepTrace
 from kvledger.errors import ConfigError, EngineFailedError, InvalidRequestError
 from kvledger.ledger.accounting import (
     QUANTIZED_KV_DTYPES,
@@ -319,6 +320,7 @@ class LLMEngine:
         self.swap_stats = {"out_blocks": 0, "in_blocks": 0, "out_s": 0.0, "in_s": 0.0}
         self.num_generated_tokens = 0
         self.stream_outputs = False  # True: step() reports every updated request (servers)
+        self.step_trace = StepTrace.from_env()  # KVLEDGER_STEP_TRACE: a line per step
         self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._publish_kv_events()
@@ -338,6 +340,9 @@ class LLMEngine:
             self.kv_event_publisher = None
         if self.executor is not None:
             self.executor.close()  # the tensor-parallel workers exit
+        if self.step_trace is not None:
+            self.step_trace.close()
+            self.step_trace = None
 
     # -- sizing -------------------------------------------------------------------------------
     def _plan_overlay(self, kv_dtype: str) -> tuple[int, int]:
@@ -540,6 +545,9 @@ class LLMEngine:
         if self.structured.compiling:
             self._admit_compiled(touched)
         so = self.scheduler.schedule()
+        trace = self.step_trace is not None and so.scheduled
+        if trace:
+            composition, start = StepTrace.composition(so), time.monotonic()
         try:
             ro = self.runner.execute(so)
         except Exception as e:
@@ -562,6 +570,8 @@ class LLMEngine:
             touched.add(req.parent_id or req.request_id)
         self.runner.release_finished()
         self._publish_kv_events()
+        if trace:
+            self.step_trace.record(start, time.monotonic(), composition)
         return self._collect_outputs(touched)
 
     def _fork_children(self, req: Request) -> list[Request]:

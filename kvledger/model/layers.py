@@ -80,7 +80,7 @@ class Linear(nn.Module):
             n = ROW_INVARIANT.rows if x.dtype == torch.bfloat16 else 0
             if n >= m:
                 return native.small_gemm(x, small, self.bias)
-            if n > 0 and n * OVERWRITE_MAX_FRACTION <= m:
+            if n > 0 and m >= OVERWRITE_MIN_ROWS and n * OVERWRITE_MAX_FRACTION <= m:
                 # A few decode rows beside a long prefill: all rows through oneDNN, then the
                 # decode rows overwritten in place by the row-wise kernel. Their products are
                 # computed twice, but the output is not concatenated from two parts (a copy of
@@ -123,11 +123,14 @@ class _RowInvariant:
 
 
 ROW_INVARIANT = _RowInvariant()
-# Leading row-wise rows of at most 1/this of a product: the whole product goes through oneDNN and
-# those rows are overwritten in place (see Linear.forward). Measured on the 60M model's bf16
-# shapes beside 56 decode rows: at 1,100-2,048 rows 0.81-1.00x the time of concatenating the two
-# parts; at 600 rows (9 %) 1.01-1.11x, at 200-300 rows 1.05-1.38x (docs/benchmarks.md, issue 24).
+# A product of at least OVERWRITE_MIN_ROWS rows whose leading row-wise rows are at most 1/16 of
+# them goes whole through oneDNN, those rows then overwritten in place (see Linear.forward).
+# Measured on the 60M model's four bf16 shapes, summed, against concatenating the two parts
+# (docs/benchmarks.md, issue 24 session 11): 1,024-2,048 rows beside 8-58 decode rows
+# 0.85-0.99x the time; 136-264 rows beside 8, 1.12-1.18x (the doubly computed rows cost more
+# than the copies saved there).
 OVERWRITE_MAX_FRACTION = 16
+OVERWRITE_MIN_ROWS = 1024
 
 
 def _onednn_bf16() -> bool:

@@ -1,0 +1,51 @@
+"""A line per engine step, for explaining latency tails: when the step ran, how long it took,
+and what it carried (prefill tokens, decodes). Client-side inter-token and first-token
+percentiles are set by a handful of long steps; this says which ones they were.
+
+Off unless ``KVLEDGER_STEP_TRACE`` names a file; each engine that runs steps (the engine core
+process of a server) appends JSON lines to it, line-buffered because a core process ends with
+``os._exit``. Times are ``time.monotonic()`` (CLOCK_MONOTONIC, shared by the processes of one
+machine, so a client can place the steps against its own requests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvledger.core.scheduler import SchedulerOutput
+
+ENV = "KVLEDGER_STEP_TRACE"
+
+
+class StepTrace:
+    def __init__(self, path: str) -> None:
+        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - open for the engine's lifetime
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        path = os.environ.get(ENV)
+        return cls(path) if path else None
+
+    @staticmethod
+    def composition(so: SchedulerOutput) -> tuple[int, int]:
+        """(prefill tokens, decodes) of a scheduled step, before it runs: a decode is one new
+        token at the end of a request whose every earlier token is computed."""
+        prefill = decodes = 0
+        for s in so.scheduled:
+            req = s.request
+            if s.num_new_tokens == 1 and req.num_computed_tokens == req.num_tokens - 1:
+                decodes += 1
+            else:
+                prefill += s.num_new_tokens
+        return prefill, decodes
+
+    def record(self, start: float, end: float, composition: tuple[int, int]) -> None:
+        """One step: [start, end) of its model execution and output processing."""
+        prefill, decodes = composition
+        self._f.write(json.dumps({"start": start, "end": end, "prefill_tokens": prefill, "decodes": decodes}) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
