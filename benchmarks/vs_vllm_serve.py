@@ -172,7 +172,7 @@ def kvledger_server(folder: Path, a: argparse.Namespace, log: Path, name: str = 
         paths.append(str(REPO_ROOT))  # this checkout's kvledger (kept after any earlier entry)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TOKENIZERS_PARALLELISM": "false"}
     trace = None
-    if a.step_trace:
+    if getattr(a, "step_trace", False):  # serve_fixed_load has no such flag
         trace = log.with_suffix(".steps.jsonl")
         trace.unlink(missing_ok=True)
         env[STEP_TRACE_ENV] = str(trace)
