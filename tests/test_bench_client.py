@@ -92,3 +92,19 @@ def test_the_step_trace_accounts_for_every_token_of_a_load(bench_server):
     assert s["burst"]["steps"] == len(burst) >= 1
     assert sum(st["prefill_tokens"] for st in burst) >= sum(len(r["prompt_token_ids"]) for r in workload[:4])
     assert "opening burst" in format_steps(s)
+
+
+def test_kvledger_server_command_builds_from_either_benchmarks_arguments(tmp_path, monkeypatch):
+    """serve_fixed_load reuses vs_vllm_serve.kvledger_server with its own, smaller argument set
+    (no --step-trace): the command must build from both, the trace only where asked for."""
+    import argparse
+
+    from benchmarks.vs_vllm_serve import kvledger_server
+
+    monkeypatch.delenv(STEP_TRACE_ENV, raising=False)
+    base = dict(dtype="bfloat16", kv_gib=1, max_model_len=1024, kvledger_args="")
+    plain = kvledger_server(tmp_path, argparse.Namespace(**base), tmp_path / "a.log")
+    assert plain.step_trace is None and STEP_TRACE_ENV not in plain.env
+    assert plain.cmd[plain.cmd.index("--dtype") + 1] == "bfloat16"
+    traced = kvledger_server(tmp_path, argparse.Namespace(**base, step_trace=True), tmp_path / "b.log")
+    assert traced.env[STEP_TRACE_ENV] == str(tmp_path / "b.steps.jsonl") == str(traced.step_trace)
