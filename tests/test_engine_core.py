@@ -119,3 +119,49 @@ def test_a_request_crosses_the_wire_with_its_constraint():
         got = back.structured_outputs
         assert got.key() == so.key() and got.xgrammar_error == so.xgrammar_error
         assert (got.parsed_grammar is None) == (so.parsed_grammar is None)
+
+
+def test_a_core_stopped_by_sigterm_is_a_warning_and_a_group_stop_logs_no_error(tmp_path):
+    """A service manager stops a server by SIGTERM to its whole process group (systemd's
+    default): the core ends with the front end, which is not a crash to log as an error. A core
+    stopped alone by SIGTERM still fails what it held (503), with a warning saying so."""
+    if not (STORIES / "config.json").exists():
+        pytest.skip(f"stories260k not found at {STORIES}")
+    from tests.test_server import free_port
+
+    port, log_path = free_port(), tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvledger", "serve", str(STORIES), "--port", str(port),
+             "--torch-threads", "1", "--no-dashboard"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        (core,) = children(proc.pid)
+        os.kill(core, signal.SIGTERM)  # the core alone
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline, "/health still 200 after the core stopped"
+            time.sleep(0.05)
+        text = log_path.read_text()
+        assert "engine core 0 is dead: the engine core process was stopped by SIGTERM" in text, text
+        assert "WARNING" in text and "ERROR" not in text, text
+        os.killpg(proc.pid, signal.SIGTERM)  # then the whole group, as systemd stops a unit
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+        text = log_path.read_text()
+        assert "ERROR" not in text and "Traceback" not in text, text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

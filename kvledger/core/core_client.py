@@ -26,6 +26,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import threading
 from collections.abc import Callable
@@ -201,7 +202,14 @@ class EngineCoreClient:
                     if not self._stop_reader.is_set():
                         self.proc.join(1)  # reap it, for its exit code
                         code = self.proc.exitcode
-                        self._died(EngineDeadError(f"the engine core process exited (code {code})"))
+                        if code is not None and -code in (signal.SIGTERM, signal.SIGINT):
+                            # Stopped from outside: most often with the front end, by a kill of
+                            # the whole process group (systemd's default); not a crash.
+                            name = signal.Signals(-code).name
+                            err = EngineDeadError(f"the engine core process was stopped by {name}")
+                            self._died(err, logging.WARNING)
+                        else:
+                            self._died(EngineDeadError(f"the engine core process exited (code {code})"))
                     return
         except zmq.ZMQError:  # closed under us at shutdown
             return
@@ -223,8 +231,8 @@ class EngineCoreClient:
             err = wire.load(body)
             self._died(EngineDeadError(f"engine is not running: {err}"))
 
-    def _died(self, err: BaseException) -> None:
-        logger.error("engine core %d is dead: %s", self.index, err)
+    def _died(self, err: BaseException, level: int = logging.ERROR) -> None:
+        logger.log(level, "engine core %d is dead: %s", self.index, err)
         self._mark_dead(err)
         if self._on_dead is not None:
             self._on_dead(self.index, err)
