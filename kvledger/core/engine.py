@@ -570,9 +570,10 @@ class LLMEngine:
             touched.add(req.parent_id or req.request_id)
         self.runner.release_finished()
         self._publish_kv_events()
+        outputs = self._collect_outputs(touched)
         if trace:
-            self.step_trace.record(start, time.monotonic(), composition)
-        return self._collect_outputs(touched)
+            self.step_trace.record(start, time.monotonic(), composition, not self.has_unfinished_requests())
+        return outputs
 
     def _fork_children(self, req: Request) -> list[Request]:
         """n > 1: the parent's prompt is computed; its children share its blocks from now on."""
