@@ -127,27 +127,13 @@ def test_a_core_stopped_by_sigterm_is_a_warning_and_a_group_stop_logs_no_error(t
     stopped alone by SIGTERM still fails what it held (503), with a warning saying so."""
     if not (STORIES / "config.json").exists():
         pytest.skip(f"stories260k not found at {STORIES}")
-    from tests.test_server import free_port
-
-    port, log_path = free_port(), tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvledger", "serve", str(STORIES), "--port", str(port),
-             "--torch-threads", "1", "--no-dashboard"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    srv = ServerProcess(
+        str(STORIES), "--torch-threads", "1", "--no-dashboard", log_path=tmp_path / "server.log",
+        new_session=True,
+    )  # fmt: skip
+    proc, url, log_path = srv.proc, srv.url, srv.log_path
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        srv.wait_ready()
         (core,) = children(proc.pid)
         os.kill(core, signal.SIGTERM)  # the core alone
         deadline = time.monotonic() + 10
@@ -164,4 +150,4 @@ def test_a_core_stopped_by_sigterm_is_a_warning_and_a_group_stop_logs_no_error(t
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        srv.stop()

@@ -47,7 +47,8 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m kvledger serve ...` in a subprocess, logging to a file (a pipe could fill)."""
 
-    def __init__(self, *args: str, log_path: Path) -> None:
+    def __init__(self, *args: str, log_path: Path, new_session: bool = False) -> None:
+        """new_session: its own process group, for a test that signals the whole group."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -55,7 +56,8 @@ class ServerProcess:
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         cmd = [sys.executable, "-m", "kvledger", "serve", *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+            start_new_session=new_session,
         )
 
     def log(self) -> str:
