@@ -23,6 +23,24 @@
 enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2, ELEM_I8 = 3, ELEM_FP8 = 4 };
 #define FP8_UNIT 256.0f /* e4m3 value = (fp16 rebuilt from its bits) * FP8_UNIT */
 
+/* 8 bf16 <-> 8 floats (plain AVX2: both builds use them, the AVX2 one as its vf versions). */
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+/* bf16 rounding of 8 floats, round to nearest even (finite inputs), kept as floats (what a torch
+ * bf16 op stores, read back). */
+static inline __m256 round8_bf16(__m256 v) {
+    __m256i x = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(
+        x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1))));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline void store8_bf16(uint16_t *p, __m256 v) {
+    __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round8_bf16(v)), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
 #if defined(__AVX512F__)
 #define VW 16
 typedef __m512 vf;
@@ -70,19 +88,16 @@ static inline vf vload_fp8(const uint8_t *p) {
                                 _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
     return _mm512_cvtph_ps(h);
 }
-/* float32 -> bfloat16, round to nearest even (finite inputs), VW values. */
-static inline void vstore_bf16(uint16_t *p, vf v) {
-    __m512i x = _mm512_castps_si512(v);
-    __m512i r = _mm512_add_epi32(
-        x, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1))));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
 /* bf16 rounding of VW floats, kept as floats (what a torch bf16 op stores, read back). */
 static inline vf vround_bf16(vf v) {
     __m512i x = _mm512_castps_si512(v);
     __m512i r = _mm512_add_epi32(
         x, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1))));
     return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+/* float32 -> bfloat16, round to nearest even (finite inputs), VW values. */
+static inline void vstore_bf16(uint16_t *p, vf v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(vround_bf16(v)), 16)));
 }
 #else
 #define VW 8
@@ -131,21 +146,8 @@ static inline vf vload_fp8(const uint8_t *p) {
                              _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
     return _mm256_cvtph_ps(h);
 }
-static inline void vstore_bf16(uint16_t *p, vf v) {
-    __m256i x = _mm256_castps_si256(v);
-    __m256i r = _mm256_add_epi32(
-        x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1))));
-    r = _mm256_srli_epi32(r, 16);
-    /* pack the low 16 bits of 8 int32 lanes */
-    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
-}
-static inline vf vround_bf16(vf v) {
-    __m256i x = _mm256_castps_si256(v);
-    __m256i r = _mm256_add_epi32(
-        x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1))));
-    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
+static inline void vstore_bf16(uint16_t *p, vf v) { store8_bf16(p, v); }
+static inline vf vround_bf16(vf v) { return round8_bf16(v); }
 #endif
 
 /* int16 dot products, for int8 KV codes against a query rounded to int16 (paged_decode.c):
@@ -307,24 +309,4 @@ static inline __m256 exp8(__m256 x) {
         _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
-/* 8 bf16 <-> 8 floats */
-static inline __m256 load8_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline void store8_bf16(uint16_t *p, __m256 v) {
-    __m256i x = _mm256_castps_si256(v);
-    __m256i r = _mm256_add_epi32(
-        x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1))));
-    r = _mm256_srli_epi32(r, 16);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
-/* bf16 rounding of 8 floats, kept as floats (what a torch bf16 op stores, read back). */
-static inline __m256 round8_bf16(__m256 v) {
-    __m256i x = _mm256_castps_si256(v);
-    __m256i r = _mm256_add_epi32(
-        x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1))));
-    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-
 #endif
