@@ -51,6 +51,27 @@
 
 static int64_t num_tiles(int64_t N) { return (N + NT - 1) / NT; }
 
+/* With MT rows per pass, a tile's first pass streams its weights from memory and the others
+ * find them in cache; from PF_MIN_PASSES passes (19+ rows) each pass also requests its share
+ * of the next tile's lines (into L1: prefetcht1 gained less), so that tile's first pass no
+ * longer waits on memory. The 60M model's decode-step weights (every layer and the LM head,
+ * 175 MB float32, beyond the L3), 2 threads, Zen 4: 0.91-0.98x the time at 24-64 rows, float32
+ * and bfloat16; at 8-16 rows, where the product is bound by memory anyway, the extra requests
+ * cost 5-30 %, hence the floor (docs/benchmarks.md, issue 24 session 12). Prefetching changes
+ * no arithmetic: the output bits are the same. */
+#define PF_MIN_PASSES 4
+
+/* Cache lines of the next tile to request during one pass over this one, a few per 8 k. */
+typedef struct {
+    const char *next;
+    int64_t left, per8;
+} prefetch_t;
+
+static inline __attribute__((always_inline)) void prefetch_some(prefetch_t *pf) {
+    for (int64_t i = 0; i < pf->per8 && pf->left > 0; i++, pf->left--, pf->next += 64)
+        _mm_prefetch(pf->next, _MM_HINT_T0);
+}
+
 /* The tile's outputs for rows m0..m0+MM-1: acc (float32 sums) + bias, stored as float32 or
  * rounded to bfloat16, the columns past N dropped. */
 static inline __attribute__((always_inline)) void store_tile(const int MM, vf acc[MT][NB], const float *bias,
@@ -84,16 +105,19 @@ static inline __attribute__((always_inline)) void store_tile(const int MM, vf ac
 
 static inline __attribute__((always_inline)) void tile_f32(const int MM, const float *x, const float *wt,
                                                            const float *bias, float *y, int64_t N,
-                                                           int64_t K, int64_t n0) {
+                                                           int64_t K, int64_t n0, prefetch_t pf) {
     vf acc[MT][NB];
     for (int m = 0; m < MM; m++)
         for (int b = 0; b < NB; b++) acc[m][b] = vzero();
-    for (int64_t k = 0; k < K; k++) {
-        vf w[NB];
-        for (int b = 0; b < NB; b++) w[b] = vload(wt + (k * NB + b) * VW);
-        for (int m = 0; m < MM; m++) {
-            vf xb = vset1(x[m * K + k]);
-            for (int b = 0; b < NB; b++) acc[m][b] = vfmadd(xb, w[b], acc[m][b]);
+    for (int64_t k0 = 0; k0 < K; k0 += 8) {
+        prefetch_some(&pf);
+        for (int64_t k = k0, ke = k0 + 8 < K ? k0 + 8 : K; k < ke; k++) {
+            vf w[NB];
+            for (int b = 0; b < NB; b++) w[b] = vload(wt + (k * NB + b) * VW);
+            for (int m = 0; m < MM; m++) {
+                vf xb = vset1(x[m * K + k]);
+                for (int b = 0; b < NB; b++) acc[m][b] = vfmadd(xb, w[b], acc[m][b]);
+            }
         }
     }
     store_tile(MM, acc, bias, y, 0, N, n0);
@@ -101,8 +125,8 @@ static inline __attribute__((always_inline)) void tile_f32(const int MM, const f
 
 #define DEFINE_TILE(MM)                                                                        \
     static void tile_f32_##MM(const float *x, const float *wt, const float *bias, float *y,   \
-                              int64_t N, int64_t K, int64_t n0) {                              \
-        tile_f32(MM, x, wt, bias, y, N, K, n0);                                                \
+                              int64_t N, int64_t K, int64_t n0, prefetch_t pf) {               \
+        tile_f32(MM, x, wt, bias, y, N, K, n0, pf);                                            \
     }
 DEFINE_TILE(1)
 DEFINE_TILE(2)
@@ -110,7 +134,8 @@ DEFINE_TILE(3)
 DEFINE_TILE(4)
 DEFINE_TILE(5)
 DEFINE_TILE(6)
-typedef void (*tile_f32_fn)(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t);
+typedef void (*tile_f32_fn)(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t,
+                            prefetch_t);
 static const tile_f32_fn TILES_F32[MT + 1] = {0, tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5, tile_f32_6};
 
 /* The tile's bias as NT float32 (zero past N or without a bias). */
@@ -160,26 +185,30 @@ int kvl_bf16_packed_available(void) {
 #if defined(KVL_AVX512BF16)
 static inline __attribute__((always_inline)) void tile_bf16p(const int MM, const uint16_t *x,
                                                              const uint16_t *wt, const float *bias,
-                                                             uint16_t *y, int64_t N, int64_t K, int64_t n0) {
+                                                             uint16_t *y, int64_t N, int64_t K, int64_t n0,
+                                                             prefetch_t pf) {
     vf acc[MT][NB];
     for (int m = 0; m < MM; m++)
         for (int b = 0; b < NB; b++) acc[m][b] = vzero();
-    for (int64_t k = 0; k < K; k += 2) {
-        __m512bh w[NB];
-        for (int b = 0; b < NB; b++) w[b] = (__m512bh)_mm512_loadu_si512(wt + (k * NB + 2 * b) * VW);
-        for (int m = 0; m < MM; m++) {
-            int32_t pair;
-            __builtin_memcpy(&pair, x + m * K + k, 4);
-            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-            for (int b = 0; b < NB; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xb, w[b]);
+    for (int64_t k0 = 0; k0 < K; k0 += 8) {
+        prefetch_some(&pf);
+        for (int64_t k = k0, ke = k0 + 8 < K ? k0 + 8 : K; k < ke; k += 2) {
+            __m512bh w[NB];
+            for (int b = 0; b < NB; b++) w[b] = (__m512bh)_mm512_loadu_si512(wt + (k * NB + 2 * b) * VW);
+            for (int m = 0; m < MM; m++) {
+                int32_t pair;
+                __builtin_memcpy(&pair, x + m * K + k, 4);
+                __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                for (int b = 0; b < NB; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xb, w[b]);
+            }
         }
     }
     store_tile(MM, acc, bias, y, 1, N, n0);
 }
 #define DEFINE_TILE_BF16P(MM)                                                                  \
     static void tile_bf16p_##MM(const uint16_t *x, const uint16_t *wt, const float *bias,     \
-                                uint16_t *y, int64_t N, int64_t K, int64_t n0) {               \
-        tile_bf16p(MM, x, wt, bias, y, N, K, n0);                                              \
+                                uint16_t *y, int64_t N, int64_t K, int64_t n0, prefetch_t pf) { \
+        tile_bf16p(MM, x, wt, bias, y, N, K, n0, pf);                                          \
     }
 DEFINE_TILE_BF16P(1)
 DEFINE_TILE_BF16P(2)
@@ -187,7 +216,8 @@ DEFINE_TILE_BF16P(3)
 DEFINE_TILE_BF16P(4)
 DEFINE_TILE_BF16P(5)
 DEFINE_TILE_BF16P(6)
-typedef void (*tile_bf16p_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t);
+typedef void (*tile_bf16p_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t,
+                              prefetch_t);
 static const tile_bf16p_fn TILES_BF16P[MT + 1] = {0, tile_bf16p_1, tile_bf16p_2, tile_bf16p_3,
                                                   tile_bf16p_4, tile_bf16p_5, tile_bf16p_6};
 #endif
@@ -197,7 +227,8 @@ static const tile_bf16p_fn TILES_BF16P[MT + 1] = {0, tile_bf16p_1, tile_bf16p_2,
 static int run_tiles(int es, const void *x, const void *wp, const void *b, void *y, int64_t M,
                      int64_t N, int64_t K, int num_threads) {
     if (M < 1 || N < 1 || K < 2 || K % 2 != 0 || num_threads < 1) return -1;
-    const int64_t T = num_tiles(N);
+    const int64_t T = num_tiles(N), tile_bytes = NT * K * es, lines = tile_bytes / 64;
+    const int64_t passes = (M + MT - 1) / MT;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < T; t++) {
         float bias[NT];
@@ -205,15 +236,21 @@ static int run_tiles(int es, const void *x, const void *wp, const void *b, void 
         const char *wt = (const char *)wp + t * NT * K * es;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int64_t mm = M - m0 < MT ? M - m0 : MT;
+            /* this pass's share of the next tile, in proportion to its rows */
+            prefetch_t pf = {wt + tile_bytes + m0 * lines / M * 64, 0, 0};
+            if (passes >= PF_MIN_PASSES && t + 1 < T) {
+                pf.left = (m0 + mm) * lines / M - m0 * lines / M;
+                pf.per8 = (pf.left * 8 + K - 1) / K;
+            }
             const char *xm = (const char *)x + m0 * K * es;
             char *ym = (char *)y + m0 * N * es;
 #if defined(KVL_AVX512BF16)
             if (es == 2) {
-                TILES_BF16P[mm]((const uint16_t *)xm, (const uint16_t *)wt, bias, (uint16_t *)ym, N, K, t * NT);
+                TILES_BF16P[mm]((const uint16_t *)xm, (const uint16_t *)wt, bias, (uint16_t *)ym, N, K, t * NT, pf);
                 continue;
             }
 #endif
-            TILES_F32[mm]((const float *)xm, (const float *)wt, bias, (float *)ym, N, K, t * NT);
+            TILES_F32[mm]((const float *)xm, (const float *)wt, bias, (float *)ym, N, K, t * NT, pf);
         }
     }
     return 0;
