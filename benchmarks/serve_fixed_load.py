@@ -76,6 +76,8 @@ def main() -> None:
     print(f"load    : {a.streams} streams x {a.prompt_len}-token prompts x {a.max_tokens} tokens, {a.dtype}, {a.tokenizer}")
     tok: dict[str, list[float]] = {name: [] for name, _ in arms}
     itl: dict[str, list[float]] = {name: [] for name, _ in arms}
+    ttft99: dict[str, list[float]] = {name: [] for name, _ in arms}
+    itl99: dict[str, list[float]] = {name: [] for name, _ in arms}
     for r in range(a.rounds):
         for name, env in arms:
             res = one_run(a, folder, env, name)
@@ -83,8 +85,11 @@ def main() -> None:
                 raise SystemExit(f"{name}: {res['num_errors']} failed requests: {res['errors'][:3]}")
             tok[name].append(res["tok_per_s"])
             itl[name].append(res["itl_p50_ms"])
+            ttft99[name].append(res["ttft_p99_ms"])
+            itl99[name].append(res["itl_p99_ms"])
             print(
-                f"round {r + 1} {name:12s} {res['tok_per_s']:7.0f} tok/s  inter-token p50 {res['itl_p50_ms']:6.1f} ms  "
+                f"round {r + 1} {name:12s} {res['tok_per_s']:7.0f} tok/s  inter-token p50 / p99 "
+                f"{res['itl_p50_ms']:6.1f} / {res['itl_p99_ms']:6.1f} ms  TTFT p99 {res['ttft_p99_ms']:7.0f} ms  "
                 f"server cores {res['server_cores']:.2f}"
             )
     base = statistics.median(tok[arms[0][0]])
@@ -92,7 +97,8 @@ def main() -> None:
         med = statistics.median(tok[name])
         print(
             f"{name:12s} median {med:7.0f} tok/s ({med / base:.2f}x {arms[0][0]}), "
-            f"inter-token p50 median {statistics.median(itl[name]):.1f} ms"
+            f"inter-token p50 / p99 medians {statistics.median(itl[name]):.1f} / {statistics.median(itl99[name]):.1f} ms, "
+            f"TTFT p99 median {statistics.median(ttft99[name]):.0f} ms"
         )
 
 

@@ -60,8 +60,6 @@ def mount_completions(app: FastAPI, ctx: ServingContext) -> None:
                     chunks.append(
                         sse(response([CompletionChoice(index=index, text=prefix, logprobs=lps)]))
                     )
-                if step is None and ids and c.token_ids:
-                    step = ("", 0, False)  # token ids whose text is held back
                 if step is not None:
                     text, offset, finished = step
                     lps = None

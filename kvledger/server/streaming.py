@@ -52,7 +52,10 @@ def _advance(d: _Delta, c: CompletionOutput) -> tuple[str, int, bool] | None:
     """The next (text delta, its text offset, finished) of a choice; None: nothing new.
 
     The engine's DELTA outputs already are the new text (partial characters and a forming
-    stop string held back), so the chunks add up to the final, non-streamed text.
+    stop string held back), so the chunks add up to the final, non-streamed text. New tokens
+    whose text is held back still make a chunk, with empty text, as vLLM's server sends one
+    (a chunk per step that produced tokens; only an output with neither text nor tokens is
+    skipped).
     """
     if d.finished:
         return None
@@ -60,7 +63,7 @@ def _advance(d: _Delta, c: CompletionOutput) -> tuple[str, int, bool] | None:
     offset = d.num_chars
     d.num_chars += len(c.text)
     d.finished = finished
-    if not c.text and not finished and not c.logprobs:
+    if not c.text and not c.token_ids and not finished and not c.logprobs:
         return None
     return c.text, offset, finished
 
