@@ -1,6 +1,12 @@
 """kvledger's HTTP server against vLLM's, as a user measures them: one server at a time.
 
     python -m benchmarks.vs_vllm_serve [--tokenizers tiny,stories] [--loads 32x8,256x64]
+        [--repeats N [--interleave]]
+
+``--interleave`` starts every engine's server first and runs each load on one after the other
+(the order flipped each repeat), so that a slow spell of a shared host lands on both servers
+rather than on whichever was up; with ``--repeats`` > 1 the table ends with each engine's
+medians over the repeats and their tok/s ratio.
 
 For each tokenizer it builds one model folder (the ``kvledger-tiny`` random weights: 4 layers x
 256, GQA 8/2, head_dim 32, vocab 512, float32) and serves it with each engine in turn:
@@ -45,6 +51,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -381,6 +388,7 @@ def run_load(
         "concurrency": concurrency,
         "generated_tokens": n_gen,
         "requested_tokens": sum(r["max_tokens"] for r in workload),
+        "t_from": t_from,  # the load's start (perf_counter): the order of interleaved runs
         "wall_s": wall,
         "tok_per_s": n_gen / wall,
         "ttft_p50_ms": ms(ttft, 50),
@@ -463,44 +471,114 @@ def parse_loads(spec: str) -> list[tuple[int, int]]:
     return out
 
 
+def start_and_warm(server: Server, a: argparse.Namespace) -> float:
+    """Start the server, wait for health and send the warm-up; returns the start-up seconds."""
+    startup = server.start()
+    print(f"  {server.engine}: healthy after {startup:.1f} s (log {server.log_path})", flush=True)
+    warm = make_workload(n=a.warmup, seed=999, vocab_size=a.vocab_size, long_frac=0.0)
+    run_load(server, warm, min(a.warmup, 8), a.client)
+    return startup
+
+
+def measure(
+    server: Server, n: int, c: int, rep: int, loads: list[tuple[int, int]], a: argparse.Namespace
+) -> dict[str, Any]:
+    """One timed load (repeat ``rep``: its own workload seed, the same for every engine)."""
+    wl = make_workload(n=n, seed=a.seed + rep, vocab_size=a.vocab_size)
+    prof = None
+    if a.profile and c == max(x[1] for x in loads) and rep == 0:
+        prof = start_profile(server, a, n, c, rep)
+    r = run_load(server, wl, c, a.client)
+    if prof is not None:
+        prof.send_signal(signal.SIGINT)
+        prof.wait(120)
+        r["profile"] = str(prof.args[prof.args.index("-o") + 1])
+    r["repeat"] = rep
+    print(
+        f"  {server.engine} {n}x{c} #{rep}: {r['tok_per_s']:.0f} tok/s, TTFT p50/p99 "
+        f"{r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} ms, ITL p50/p99 "
+        f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms, server CPU "
+        f"{r['server_cpu_ms_per_token']:.2f} ms/tok (front end "
+        f"{r['frontend_cpu_ms_per_token']:.2f}), {r['server_cores']:.2f} cores busy, "
+        f"errors {r['num_errors']}, client {r['client_cpu_s'] / r['wall_s']:.2f} cores, "
+        f"foreign {r['foreign_cores_avg']:.2f} cores",
+        flush=True,
+    )
+    if r.get("steps"):
+        print(f"    {server.engine} {format_steps(r['steps'])}", flush=True)
+    return r
+
+
 def serve_and_measure(
     server: Server, loads: list[tuple[int, int]], a: argparse.Namespace
 ) -> dict[str, Any]:
-    startup = server.start()
-    print(f"  {server.engine}: healthy after {startup:.1f} s (log {server.log_path})", flush=True)
+    """One engine alone: every load and repeat, then the server stops."""
     try:
-        vocab = a.vocab_size
-        warm = make_workload(n=a.warmup, seed=999, vocab_size=vocab, long_frac=0.0)
-        run_load(server, warm, min(a.warmup, 8), a.client)
-        runs = []
-        for n, c in loads:
-            for rep in range(a.repeats):
-                wl = make_workload(n=n, seed=a.seed + rep, vocab_size=vocab)
-                prof = None
-                if a.profile and c == max(x[1] for x in loads) and rep == 0:
-                    prof = start_profile(server, a, n, c, rep)
-                r = run_load(server, wl, c, a.client)
-                if prof is not None:
-                    prof.send_signal(signal.SIGINT)
-                    prof.wait(120)
-                    r["profile"] = str(prof.args[prof.args.index("-o") + 1])
-                r["repeat"] = rep
-                runs.append(r)
-                print(
-                    f"  {server.engine} {n}x{c} #{rep}: {r['tok_per_s']:.0f} tok/s, TTFT p50/p99 "
-                    f"{r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} ms, ITL p50/p99 "
-                    f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms, server CPU "
-                    f"{r['server_cpu_ms_per_token']:.2f} ms/tok (front end "
-                    f"{r['frontend_cpu_ms_per_token']:.2f}), {r['server_cores']:.2f} cores busy, "
-                    f"errors {r['num_errors']}, client {r['client_cpu_s'] / r['wall_s']:.2f} cores, "
-                    f"foreign {r['foreign_cores_avg']:.2f} cores",
-                    flush=True,
-                )
-                if r.get("steps"):
-                    print(f"    {server.engine} {format_steps(r['steps'])}", flush=True)
+        startup = start_and_warm(server, a)
+        runs = [measure(server, n, c, rep, loads, a) for n, c in loads for rep in range(a.repeats)]
         return {"startup_s": startup, "runs": runs}
     finally:
         server.stop()
+
+
+def serve_interleaved(
+    servers: dict[str, Server], loads: list[tuple[int, int]], a: argparse.Namespace
+) -> dict[str, Any]:
+    """Every engine's server up at once, the loads run engine after engine (the order flipped
+    each repeat), so that a slow spell of a shared host falls on all of them rather than on
+    whichever server happened to be up; the idle servers' CPU shows as foreign cores."""
+    report: dict[str, Any] = {}
+    try:
+        for e, server in servers.items():
+            report[e] = {"startup_s": start_and_warm(server, a), "runs": []}
+        names = list(servers)
+        for n, c in loads:
+            for rep in range(a.repeats):
+                for e in names if rep % 2 == 0 else names[::-1]:
+                    report[e]["runs"].append(measure(servers[e], n, c, rep, loads, a))
+        return report
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+MEDIAN_KEYS = ("tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+
+def medians(report: dict[str, Any]) -> dict[str, dict[int, dict[str, float]]]:
+    """Per engine and concurrency, the median of each figure over the repeats."""
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for e, rep in report.items():
+        by_c: dict[int, list[dict[str, Any]]] = {}
+        for r in rep["runs"]:
+            by_c.setdefault(r["concurrency"], []).append(r)
+        out[e] = {
+            c: {k: statistics.median(r[k] for r in runs) for k in MEDIAN_KEYS} | {"repeats": len(runs)}
+            for c, runs in by_c.items()
+        }
+    return out
+
+
+def print_medians(report: dict[str, Any]) -> None:
+    """The medians table (with --repeats > 1): tok/s ratio, and each latency's median."""
+    med = medians(report)
+    vl = med.get("vllm")
+    print("\nmedians over the repeats:")
+    print("| concurrency | engine | repeats | tok/s | TTFT p50 / p99 ms | inter-token p50 / p99 ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    order = ["vllm", *[e for e in med if e != "vllm"]]
+    for c in sorted({c for e in med for c in med[e]}):
+        for e in order:
+            m = med.get(e, {}).get(c)
+            if m is None:
+                continue
+            ratio = ""
+            if e != "vllm" and vl and c in vl:
+                ratio = f" ({m['tok_per_s'] / vl[c]['tok_per_s']:.2f}x)"
+            print(
+                f"| {c} | {e} | {m['repeats']} | {m['tok_per_s']:,.0f}{ratio} | {m['ttft_p50_ms']:.1f} / "
+                f"{m['ttft_p99_ms']:.0f} | {m['itl_p50_ms']:.1f} / {m['itl_p99_ms']:.1f} |"
+            )
 
 
 def start_profile(
@@ -618,7 +696,11 @@ def main() -> None:
     )
     ap.add_argument("--client", default="aiohttp", choices=CLIENTS,
                     help="the load generator's HTTP client (aiohttp: vLLM's bench serve's)")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs of each load per engine (their medians are printed too)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="start every engine's server first and alternate them load by load "
+                    "(order flipped each repeat), instead of one server after the other")  # fmt: skip
     ap.add_argument("--warmup", type=int, default=8, help="warm-up requests before timing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-gib", type=int, default=1)
@@ -654,13 +736,19 @@ def main() -> None:
         folder = model_folder(tok)
         a.vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
         print(f"\n[{tok}] model folder {folder}", flush=True)
-        report: dict[str, Any] = {}
-        for e in engines:
-            log = Path(a.out_dir) / f"{e}-{tok}.log"
-            server = vllm_server(folder, a, log) if e == "vllm" else kvledger_server(folder, a, log, e)
-            report[e] = serve_and_measure(server, loads, a)
+        servers = {
+            e: vllm_server(folder, a, log) if e == "vllm" else kvledger_server(folder, a, log, e)
+            for e in engines
+            for log in [Path(a.out_dir) / f"{e}-{tok}.log"]
+        }
+        if a.interleave:
+            report = serve_interleaved(servers, loads, a)
+        else:
+            report = {e: serve_and_measure(server, loads, a) for e, server in servers.items()}
         full[tok] = report
         print_table(tok, report)
+        if a.repeats > 1:
+            print_medians(report)
     save_json(full, Path(a.out_dir) / "results.json")
     print(f"\nraw results: {Path(a.out_dir) / 'results.json'}")
 

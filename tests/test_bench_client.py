@@ -4,14 +4,26 @@ figure never depends on which one measured it (only on how much CPU the client t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import statistics
 import time
 
 import pytest
 
 from benchmarks.common import make_workload
-from benchmarks.vs_vllm_serve import CLIENTS, MODEL_NAME, drive, format_steps, step_summary
+from benchmarks.vs_vllm_serve import (
+    CLIENTS,
+    MODEL_NAME,
+    drive,
+    format_steps,
+    kvledger_server,
+    medians,
+    print_medians,
+    serve_interleaved,
+    step_summary,
+)
 from kvledger.core.step_trace import ENV as STEP_TRACE_ENV
 from tests.test_server import STORIES, ServerProcess
 
@@ -108,3 +120,34 @@ def test_kvledger_server_command_builds_from_either_benchmarks_arguments(tmp_pat
     assert plain.cmd[plain.cmd.index("--dtype") + 1] == "bfloat16"
     traced = kvledger_server(tmp_path, argparse.Namespace(**base, step_trace=True), tmp_path / "b.log")
     assert traced.env[STEP_TRACE_ENV] == str(tmp_path / "b.steps.jsonl") == str(traced.step_trace)
+
+
+def test_interleaved_servers_take_turns_and_their_medians_are_reported(tmp_path, capsys):
+    """--interleave: both servers up at once, each load run on one then the other, the order
+    flipped each repeat (so a slow spell of the host falls on both); the same workload per
+    repeat, the same greedy tokens; the medians table is each engine's over its repeats."""
+    if not (STORIES / "config.json").exists():
+        pytest.skip(f"stories260k not found at {STORIES}")
+    a = argparse.Namespace(
+        dtype="float32", kv_gib=1, max_model_len=512, kvledger_args="--torch-threads 1 --no-dashboard",
+        step_trace=False, warmup=2, vocab_size=512, client="aiohttp", seed=0, profile="", repeats=2,
+    )  # fmt: skip
+    engines = ("kvledger", "kvledger-thread")
+    servers = {e: kvledger_server(STORIES, a, tmp_path / f"{e}.log", e) for e in engines}
+    report = serve_interleaved(servers, [(4, 2)], a)
+    assert all(s.proc.poll() is not None for s in servers.values())  # both stopped after
+    one, two = (report[e]["runs"] for e in engines)
+    assert [r["repeat"] for r in one] == [0, 1] == [r["repeat"] for r in two]
+    assert one[0]["t_from"] < two[0]["t_from"] and two[1]["t_from"] < one[1]["t_from"]
+    for r1, r2 in zip(one, two, strict=True):
+        assert r1["num_errors"] == r2["num_errors"] == 0
+        assert r1["outputs"] == r2["outputs"] and r1["generated_tokens"] == r1["requested_tokens"]
+    assert one[0]["outputs"] != one[1]["outputs"]  # each repeat its own workload
+    med = medians(report)
+    for e, runs in zip(engines, (one, two), strict=True):
+        assert med[e][2]["repeats"] == 2
+        assert med[e][2]["tok_per_s"] == statistics.median(r["tok_per_s"] for r in runs)
+        assert med[e][2]["itl_p99_ms"] == statistics.median(r["itl_p99_ms"] for r in runs)
+    print_medians(report)
+    out = capsys.readouterr().out
+    assert "| 2 | kvledger | 2 |" in out and "| 2 | kvledger-thread | 2 |" in out
