@@ -480,11 +480,27 @@ def start_and_warm(server: Server, a: argparse.Namespace) -> float:
     return startup
 
 
+def wait_quiet(max_s: float = 60.0, window: float = 0.5, cores: float = 0.1) -> float:
+    """Wait until the whole machine computes on fewer than ``cores`` cores over ``window``
+    seconds (or ``max_s`` passed); returns the seconds waited. A server is not idle the moment
+    its load ends: vLLM's kept 0.3-0.4 cores busy for a few seconds after its warm-up or a
+    load, which landed on the next server's run when the two took turns (--interleave)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_s:
+        busy = _system_busy_s()
+        time.sleep(window)
+        if (_system_busy_s() - busy) / window < cores:
+            break
+    return time.perf_counter() - t0
+
+
 def measure(
     server: Server, n: int, c: int, rep: int, loads: list[tuple[int, int]], a: argparse.Namespace
 ) -> dict[str, Any]:
-    """One timed load (repeat ``rep``: its own workload seed, the same for every engine)."""
+    """One timed load (repeat ``rep``: its own workload seed, the same for every engine), once
+    the machine is quiet."""
     wl = make_workload(n=n, seed=a.seed + rep, vocab_size=a.vocab_size)
+    waited = wait_quiet()
     prof = None
     if a.profile and c == max(x[1] for x in loads) and rep == 0:
         prof = start_profile(server, a, n, c, rep)
@@ -494,6 +510,7 @@ def measure(
         prof.wait(120)
         r["profile"] = str(prof.args[prof.args.index("-o") + 1])
     r["repeat"] = rep
+    r["quiet_wait_s"] = waited
     print(
         f"  {server.engine} {n}x{c} #{rep}: {r['tok_per_s']:.0f} tok/s, TTFT p50/p99 "
         f"{r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} ms, ITL p50/p99 "
@@ -501,7 +518,7 @@ def measure(
         f"{r['server_cpu_ms_per_token']:.2f} ms/tok (front end "
         f"{r['frontend_cpu_ms_per_token']:.2f}), {r['server_cores']:.2f} cores busy, "
         f"errors {r['num_errors']}, client {r['client_cpu_s'] / r['wall_s']:.2f} cores, "
-        f"foreign {r['foreign_cores_avg']:.2f} cores",
+        f"foreign {r['foreign_cores_avg']:.2f} cores, after waiting {waited:.1f} s for a quiet machine",
         flush=True,
     )
     if r.get("steps"):

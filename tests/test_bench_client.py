@@ -143,6 +143,7 @@ def test_interleaved_servers_take_turns_and_their_medians_are_reported(tmp_path,
         assert r1["num_errors"] == r2["num_errors"] == 0
         assert r1["outputs"] == r2["outputs"] and r1["generated_tokens"] == r1["requested_tokens"]
     assert one[0]["outputs"] != one[1]["outputs"]  # each repeat its own workload
+    assert all(r["quiet_wait_s"] >= 0.5 for r in one + two)  # each began on a quiet machine
     med = medians(report)
     for e, runs in zip(engines, (one, two), strict=True):
         assert med[e][2]["repeats"] == 2
