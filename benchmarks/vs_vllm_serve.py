@@ -1,4 +1,4 @@
-"""kvledger's HTTP server against vLLM's, as a user measures them: one server at a time.
+"""kvledger's HTTP server against vLLM's, as a user measures them: one server at a time, or both up taking turns.
 
     python -m benchmarks.vs_vllm_serve [--tokenizers tiny,stories] [--loads 32x8,256x64]
         [--repeats N [--interleave]]
@@ -500,7 +500,7 @@ def measure(
     """One timed load (repeat ``rep``: its own workload seed, the same for every engine), once
     the machine is quiet."""
     wl = make_workload(n=n, seed=a.seed + rep, vocab_size=a.vocab_size)
-    waited = wait_quiet()
+    waited = wait_quiet(getattr(a, "quiet_wait", 60.0))
     prof = None
     if a.profile and c == max(x[1] for x in loads) and rep == 0:
         prof = start_profile(server, a, n, c, rep)
@@ -569,11 +569,15 @@ def medians(report: dict[str, Any]) -> dict[str, dict[int, dict[str, float]]]:
         by_c: dict[int, list[dict[str, Any]]] = {}
         for r in rep["runs"]:
             by_c.setdefault(r["concurrency"], []).append(r)
-        out[e] = {
-            c: {k: statistics.median(r[k] for r in runs) for k in MEDIAN_KEYS} | {"repeats": len(runs)}
-            for c, runs in by_c.items()
-        }
+        out[e] = {c: {k: _median([r[k] for r in runs]) for k in MEDIAN_KEYS} | {"repeats": len(runs)}
+                  for c, runs in by_c.items()}  # fmt: skip
     return out
+
+
+def _median(xs: list[float | None]) -> float:
+    """The median of the figures a run had (a load whose requests all failed has no TTFT)."""
+    got = [x for x in xs if x is not None]
+    return statistics.median(got) if got else float("nan")
 
 
 def print_medians(report: dict[str, Any]) -> None:
@@ -718,6 +722,9 @@ def main() -> None:
     ap.add_argument("--interleave", action="store_true",
                     help="start every engine's server first and alternate them load by load "
                     "(order flipped each repeat), instead of one server after the other")  # fmt: skip
+    ap.add_argument("--quiet-wait", type=float, default=60.0,
+                    help="before each timed load, wait up to this many seconds for the machine "
+                    "to fall under 0.1 busy cores (0: do not wait)")  # fmt: skip
     ap.add_argument("--warmup", type=int, default=8, help="warm-up requests before timing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-gib", type=int, default=1)

@@ -131,6 +131,7 @@ def test_interleaved_servers_take_turns_and_their_medians_are_reported(tmp_path,
     a = argparse.Namespace(
         dtype="float32", kv_gib=1, max_model_len=512, kvledger_args="--torch-threads 1 --no-dashboard",
         step_trace=False, warmup=2, vocab_size=512, client="aiohttp", seed=0, profile="", repeats=2,
+        quiet_wait=5.0,
     )  # fmt: skip
     engines = ("kvledger", "kvledger-thread")
     servers = {e: kvledger_server(STORIES, a, tmp_path / f"{e}.log", e) for e in engines}
