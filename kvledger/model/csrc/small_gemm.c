@@ -233,7 +233,7 @@ static int run_tiles(int es, const void *x, const void *wp, const void *b, void 
     for (int64_t t = 0; t < T; t++) {
         float bias[NT];
         tile_bias(b, es == 2, N, t * NT, bias);
-        const char *wt = (const char *)wp + t * NT * K * es;
+        const char *wt = (const char *)wp + t * tile_bytes;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int64_t mm = M - m0 < MT ? M - m0 : MT;
             /* this pass's share of the next tile, in proportion to its rows */
