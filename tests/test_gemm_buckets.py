@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from kvledger.model import native
+from kvledger.model.gemm_rows import empty_rows, rows_view
 from kvledger.model.layers import (
     OVERWRITE_MAX_FRACTION,
     OVERWRITE_MIN_ROWS,
     ROW_INVARIANT,
     Linear,
+    _bucketed_rows,
     gemm_rows_bucket,
 )
 
@@ -41,6 +43,55 @@ def test_padded_rows_do_not_change_the_real_rows():
         got = lin(x)
         assert got.shape == (m, 48)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_allocated_with_room_are_padded_in_place(dtype):
+    """A GEMM input from empty_rows is read padded where it lies (no copy), with the same bits
+    as the copied padding, whatever the rows past it hold; nothing past it is written."""
+    torch.manual_seed(2)
+    lin = Linear(64, 48, bias=True)
+    lin.weight.data = torch.randn(48, 64).to(dtype)
+    lin.bias.data = torch.randn(48).to(dtype)
+    lin.pack()
+    for m in (17, 100, 257, 1025):
+        mp = gemm_rows_bucket(m)
+        x = empty_rows(m, 64, dtype)
+        assert x.shape == (m, 64) and x.is_contiguous()
+        tail = x.as_strided((mp - m, 64), (64, 1), m * 64)
+        assert torch.equal(tail, torch.zeros_like(tail))  # a fresh buffer's padding is zero
+        x.copy_(torch.randn(m, 64))
+        seen = _bucketed_rows(x, lambda t: torch.tensor([[t.data_ptr(), t.shape[0]]] * t.shape[0]))
+        assert seen[0].tolist() == [x.data_ptr(), mp], "padded in place, not copied"
+        want = lin(x.clone())  # a plain tensor: the copy path
+        assert rows_view(x.clone(), mp) is None
+        tail.fill_(float("nan"))  # rows past x do not reach its rows
+        got = lin(x)
+        assert torch.equal(got, want) and got.shape == (m, 48)
+        assert tail.isnan().all(), "the rows past x are only read"
+
+
+def test_rows_view_declines_what_it_cannot_extend():
+    x = torch.randn(40, 8)
+    assert rows_view(x[:30], 40) is not None  # a slice of a larger tensor holds the rows
+    assert rows_view(x[:30], 41) is None  # past the storage
+    assert rows_view(x[10:35], 40) is None  # from its offset, 30 rows remain
+    assert rows_view(x[:30, :4], 40) is None  # not contiguous
+    assert rows_view(x.view(5, 8, 8), 10) is None  # not 2-D
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_feeding_a_gemm_leave_room_for_its_padding(dtype):
+    """RMSNorm and SiLU-and-mul outputs carry their bucket's rows, so the projections after them
+    copy nothing."""
+    m = 300
+    mp = gemm_rows_bucket(m)
+    x = torch.randn(m, 64).to(dtype)
+    y = native.rms_norm(x, torch.ones(64, dtype=dtype), 1e-5)
+    assert rows_view(y, mp) is not None
+    z = native.silu_mul(torch.randn(m, 128).to(dtype))
+    assert rows_view(z, mp) is not None
 
 
 def _bf16_linear(k: int, n: int) -> Linear:

@@ -110,7 +110,7 @@ def test_paged_greedy_matches_hf_generate(tiny, use_native, monkeypatch):
 @pytest.mark.parametrize("decode_path", ["native", "batched", "alone"])
 def test_mixed_batch_matches_each_request_alone(kind, decode_path, tmp_path, monkeypatch):
     """One request prefills a chunk while two decode: same logits as running each alone,
-    whether the decodes (and, native, the chunk's rows) go through the native paged kernel, a
+    whether the decodes (and, native, the chunk's rows) go through the native paged kernels, a
     padded SDPA batch, or one by one."""
     if decode_path == "native":
         if native.library() is None:
@@ -141,19 +141,23 @@ def test_mixed_batch_matches_each_request_alone(kind, decode_path, tmp_path, mon
     plan = loaded.model.attn_backend._plan
     assert (plan.native_decode is not None) == (decode_path == "native")
     assert len(plan.decode) == (1 if decode_path == "batched" else 0)
-    # native: the chunk's 5 rows are decodes over their causal prefixes, beside the 2 decodes
+    # native: the chunk's 5 rows through the prefill kernel, beside the 2 decodes
     assert len(plan.chunks) == {"alone": 3, "batched": 1, "native": 0}[decode_path]
     if decode_path == "native":
-        assert plan.native_decode.rows.tolist() == [0, 6, 1, 2, 3, 4, 5]
+        assert plan.native_decode.rows.tolist() == [0, 6]
+        assert (plan.native_prefill.row0.tolist(), plan.native_prefill.nrows.tolist()) == ([1], [5])
+        assert plan.native_prefill.seq_lens.tolist() == [9]
+    else:
+        assert plan.native_prefill is None
     torch.testing.assert_close(mixed[0:1], alone["b"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed[1:6], alone["a"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed[6:7], alone["c"], atol=1e-5, rtol=1e-5)
 
 
 def test_prefill_chunks_take_the_native_kernel_by_the_context_their_rows_read(tmp_path, monkeypatch):
-    """A prefill chunk goes to the native kernel (one decode per row) only while its rows read
-    at most _NATIVE_PREFILL_MAX_READ context tokens in all: a short chunk late in a long prompt
-    reads more than its length says. Either way the logits are those of per-request SDPA."""
+    """A prefill chunk goes to the native kernel only while its rows read at most
+    _NATIVE_PREFILL_MAX_READ context tokens in all: a short chunk late in a long prompt reads
+    more than its length says. Either way the logits are those of per-request SDPA."""
     if native.library() is None:
         pytest.skip("native kernels unavailable here (no C compiler or no AVX2)")
     build_hf_model(tiny_config("llama_gqa"), tmp_path)
@@ -172,10 +176,12 @@ def test_prefill_chunks_take_the_native_kernel_by_the_context_their_rows_read(tm
     mixed, plan1, plan2 = run(100)
     # step 1: a's 40 fresh rows read 820 tokens (SDPA), b's 12 read 78 (native)
     assert [(c.start, c.end) for c in plan1.chunks] == [(0, 40)]
-    assert plan1.native_decode.rows.tolist() == list(range(40, 52))
+    assert plan1.native_decode is None
+    assert (plan1.native_prefill.row0.tolist(), plan1.native_prefill.nrows.tolist()) == ([40], [12])
     # step 2: a's 3 rows at positions 40-42 read 126 (SDPA, though only 3 tokens), b's 3 read 42
     assert [(c.start, c.end) for c in plan2.chunks] == [(0, 3)]
-    assert plan2.native_decode.rows.tolist() == [3, 4, 5]
+    assert (plan2.native_prefill.row0.tolist(), plan2.native_prefill.nrows.tolist()) == ([3], [3])
+    assert plan2.native_prefill.seq_lens.tolist() == [15]
     torch.testing.assert_close(mixed, sdpa, atol=1e-5, rtol=1e-5)
 
 

@@ -388,6 +388,84 @@ def test_a_large_decode_takes_the_split_threads_with_the_same_result(isa, monkey
         assert torch.equal(out, outs[0])
 
 
+def _prefill_case(dtype, chunks, heads, kv_heads, head_dim, block_size, seed, num_blocks=96):
+    """A cache, block tables and queries for prefill chunks (seq_len, rows): chunk c's rows follow
+    one spare row, then each other; returns the paged_prefill arguments and the number of rows."""
+    cache, g = _paged(num_blocks, block_size, kv_heads, head_dim, seed=seed, dtype=dtype)
+    lens = [seq_len for seq_len, _ in chunks]
+    tables = _tables(lens, block_size, num_blocks, g)
+    row0 = [1 + sum(n for _, n in chunks[:c]) for c in range(len(chunks))]
+    num_tokens = 2 + sum(n for _, n in chunks)
+    q = (torch.randn(num_tokens, heads, head_dim, generator=g) * 2).to(dtype)
+    args = (q, cache, tables, torch.tensor(lens), torch.tensor(row0), torch.tensor([n for _, n in chunks]))
+    return args, num_tokens
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(8, 2, 64, 16), (4, 4, 32, 8), (16, 2, 128, 16), (6, 2, 40, 8), (3, 1, 24, 4)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_matches_float64_causal_attention(isa, heads, kv_heads, head_dim, block_size, dtype):
+    """Each row of a chunk attends causally to its context up to its own position, read in place
+    from scattered blocks: fresh prompts, chunks after cached context, one-row chunks; query
+    heads per KV head 4, 1, 8 (a row wider than AVX2's 8-lane tile), 3 (rows straddling tiles);
+    head_dim 40 and 24 leave a partial vector. Rows of other requests are not written."""
+    chunks = [(37, 37), (70, 9), (5, 2), (21, 21), (64, 1)]
+    (q, cache, tables, seq_lens, row0, nrows), num_tokens = _prefill_case(
+        dtype, chunks, heads, kv_heads, head_dim, block_size, seed=heads + head_dim
+    )
+    out = torch.full((num_tokens, heads * head_dim), float("nan"), dtype=dtype)
+    scale = 1 / math.sqrt(head_dim)
+    native.paged_prefill(q, cache, tables, seq_lens, row0, nrows, out, scale)
+    k, v = cache.k.double(), cache.v.double()
+    rows, lens, row_tables = [], [], []
+    for c, (seq_len, n) in enumerate(chunks):
+        for r in range(n):
+            rows.append(int(row0[c]) + r)
+            lens.append(seq_len - n + r + 1)
+            row_tables.append(tables[c])
+    ref = _reference(q, k, v, row_tables, lens, rows, scale)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
+    torch.testing.assert_close(out[rows].double(), ref, atol=tol, rtol=tol)
+    assert out[[0, num_tokens - 1]].isnan().all(), "rows of other requests must not be written"
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_rows_do_not_depend_on_their_neighbours(isa, dtype):
+    """A row's bits depend on its query and context only: the same prompt prefilled in one
+    chunk, in two chunks (its rows fall into other tiles), or beside another request's chunk."""
+    heads, kv_heads, head_dim, bs = 6, 2, 64, 8  # 3 heads per KV head: tiles cut rows apart
+    (q, cache, tables, _, _, _), num_tokens = _prefill_case(dtype, [(90, 90), (40, 40)], heads, kv_heads, head_dim, bs, 9)
+    scale = 0.125
+
+    def run(chunks):  # (first row, rows, seq_len, table)
+        out = torch.zeros(num_tokens, heads * head_dim, dtype=dtype)
+        native.paged_prefill(
+            q, cache, torch.stack([t for *_, t in chunks]), torch.tensor([s for _, _, s, _ in chunks]),
+            torch.tensor([r for r, *_ in chunks]), torch.tensor([n for _, n, *_ in chunks]), out, scale,
+        )
+        return out
+
+    whole = run([(1, 90, 90, tables[0])])
+    split = run([(1, 33, 33, tables[0]), (34, 57, 90, tables[0])])
+    beside = run([(91, 40, 40, tables[1]), (1, 90, 90, tables[0])])
+    assert torch.equal(whole[1:91], split[1:91])
+    assert torch.equal(whole[1:91], beside[1:91])
+
+
+@needs_native
+def test_paged_prefill_refuses_what_it_does_not_take():
+    (q, cache, tables, seq_lens, row0, nrows), num_tokens = _prefill_case(torch.float32, [(10, 10)], 4, 2, 32, 8, 1)
+    out = torch.zeros(num_tokens, 4 * 32)
+    with pytest.raises(ValueError, match="paged_prefill"):  # more rows than context
+        native.paged_prefill(q, cache, tables, torch.tensor([9]), row0, nrows, out, 0.1)
+    with pytest.raises(ValueError, match="paged_prefill"):  # queries in another dtype than the cache
+        native.paged_prefill(q.bfloat16(), cache, tables, seq_lens, row0, nrows, out.bfloat16(), 0.1)
+
+
 @needs_native
 @pytest.mark.parametrize("fmt", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvledger.model import host_memory, native
+from kvledger.model.gemm_rows import gemm_rows_bucket, rows_view
 
 
 class Linear(nn.Module):
@@ -141,35 +142,22 @@ def _onednn_bf16() -> bool:
         return False
 
 
-def gemm_rows_bucket(m: int) -> int:
-    """The row count a CPU GEMM of ``m`` rows is padded to.
-
-    oneDNN (and ideep in front of it) build and cache a primitive per GEMM shape, ~250 KB each,
-    in LRU caches of 1,024 entries: with every prefill length its own shape, a server's resident
-    memory grew by hundreds of MiB over thousands of requests, and each new length paid for a
-    primitive's creation (issue 23). Rounding up to a multiple of 16 below 256 rows (where a
-    GEMM streams its weight, so extra rows are nearly free) and to 8 steps per power of two
-    above (<= 12.5 % padding where it computes) leaves ~40 shapes per weight up to 2,048 rows.
-    """
-    if m <= 16:
-        return m
-    step = max(16, 1 << max(0, (m - 1).bit_length() - 4))
-    return -(-m // step) * step
-
-
 def _bucketed_rows(x: torch.Tensor, matmul) -> torch.Tensor:
-    """``matmul(x)`` for a 2-D x, computed on x padded with zero rows to its bucket."""
+    """``matmul(x)`` for a 2-D x, computed on x padded with rows to its bucket: in place where x
+    was allocated with room for them (gemm_rows.empty_rows), else a padded copy."""
     if x.dim() != 2:
         return matmul(x)
     m = x.shape[0]
     mp = gemm_rows_bucket(m)
     if mp == m:
         return matmul(x)
-    # Not F.pad: it fills the whole padded tensor with zeros and then copies x over it, two
-    # passes where one copy and a zeroed tail do (5 % of a 2,048-token kvledger-tiny prefill).
-    padded = x.new_empty(mp, x.shape[1])
-    padded[:m].copy_(x)
-    padded[m:].zero_()
+    padded = rows_view(x, mp)
+    if padded is None:
+        # Not F.pad: it fills the whole padded tensor with zeros and then copies x over it, two
+        # passes where one copy and a zeroed tail do (5 % of a 2,048-token kvledger-tiny prefill).
+        padded = x.new_empty(mp, x.shape[1])
+        padded[:m].copy_(x)
+        padded[m:].zero_()
     return matmul(padded)[:m]
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from kvledger.model.gemm_rows import empty_rows
+
 logger = logging.getLogger("kvledger")
 
 CSRC = Path(__file__).with_name("csrc")
@@ -203,6 +205,10 @@ def library() -> ctypes.CDLL | None:
         ptr, i64, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, c_int,
         i64, i64, i64, i64, c_float, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, c_int,
     ]  # fmt: skip
+    lib.kvl_paged_prefill.argtypes = [
+        ptr, i64, ptr, ptr, c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, c_int, i64, i64, i64, i64, c_float,
+        c_int,
+    ]  # fmt: skip
     for fn in (lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16):
         fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
     for fn in (lib.kvl_rms_norm, lib.kvl_rms_norm_bf16):
@@ -215,8 +221,8 @@ def library() -> ctypes.CDLL | None:
     lib.kvl_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, c_int]
     lib.kvl_argmax_rows.restype = c_int
     for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
-               lib.kvl_pack_weight, lib.kvl_bf16_packed_available, lib.kvl_paged_decode, lib.kvl_rope_inplace,
-               lib.kvl_rope_inplace_bf16, lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul,
+               lib.kvl_pack_weight, lib.kvl_bf16_packed_available, lib.kvl_paged_decode, lib.kvl_paged_prefill,
+               lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16, lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul,
                lib.kvl_silu_mul_bf16, lib.kvl_quantize_write):
         fn.restype = c_int
     lib.isa = isa
@@ -310,8 +316,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim (a multiple of 8); x and weight both
     float32 or both bfloat16 (normalised in float32, rounded, then times the weight: HF's order)."""
     x = x.contiguous()
-    y = torch.empty_like(x)
     n = x.shape[-1]
+    y = empty_rows(x.shape[0], n, x.dtype) if x.dim() == 2 else torch.empty_like(x)  # feeds a GEMM
     lib = library()
     fn = lib.kvl_rms_norm_bf16 if _bf16(x) else lib.kvl_rms_norm
     _check(
@@ -324,7 +330,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for a contiguous [rows, 2 * inter] float32/bfloat16 tensor of [gate | up] rows."""
     rows, width = gate_up.shape
-    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    out = empty_rows(rows, width // 2, gate_up.dtype)  # the down projection's input
     lib = library()
     fn = lib.kvl_silu_mul_bf16 if _bf16(gate_up) else lib.kvl_silu_mul
     _check(fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()), "silu_mul")
@@ -590,3 +596,38 @@ def paged_decode(
     )
     if rc != 0:
         raise ValueError(f"paged_decode: unsupported arguments (q {tuple(q.shape)}, cache {tuple(kc.shape)})")
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    layer_cache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    row0: torch.Tensor,
+    nrows: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    kv_tokens: int = 0,
+) -> None:
+    """Causal attention of prefill chunks over an unquantised paged cache, read in place: chunk
+    c's rows q[row0[c] : row0[c] + nrows[c]] end a context of seq_lens[c] tokens in blocks
+    block_tables[c] (this step's K/V already written), each row attending to the tokens up to its
+    own position; a chunk's rows are computed together (csrc/paged_prefill.c).
+
+    q [T, H, D] with contiguous heads and out [T, H * D], in the model dtype, which is the
+    cache's; block_tables [C, max_blocks], seq_lens, row0 and nrows [C], int64 with contiguous
+    rows (the caller checks can_paged_decode first). ``kv_tokens``: the context tokens the rows
+    read in all (the thread rule of paged_decode; the result is the same)."""
+    kc, vc = layer_cache.k, layer_cache.v
+    _, block_size, num_kv_heads, head_dim = kc.shape
+    threads = torch.get_num_threads()
+    if _split_threads > threads and kv_tokens * num_kv_heads * head_dim * 2 * kc.element_size() >= DECODE_SPLIT_BYTES:
+        threads = _split_threads
+    rc = library().kvl_paged_prefill(
+        q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), ELEM[kc.dtype], block_tables.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), row0.data_ptr(), nrows.data_ptr(), row0.shape[0],
+        out.data_ptr(), out.stride(0), ELEM[q.dtype], q.shape[1], num_kv_heads, head_dim, block_size, scale,
+        threads,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"paged_prefill: unsupported arguments (q {tuple(q.shape)}, cache {tuple(kc.shape)})")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from kvledger.model import native
 from kvledger.model.attention.metadata import AttentionMetadata
+from kvledger.model.gemm_rows import empty_rows
 from kvledger.model.kv_cache import LayerKVCache
 from kvledger.model.kv_overlay import (
     Fix,
@@ -59,13 +60,14 @@ class _Chunk:
     fix: Fix | None = None
 
 
-# Prefill chunks take the native kernel, one decode per row, while their rows read at most this
-# many context tokens in all (a fresh chunk of 1,024 tokens; a chunk's rows read n * (2 * seq_len
-# - n + 1) / 2, so a short chunk late in a long prompt reads far more than its length says). One
-# prefill step of ~2,000 fresh tokens, 2 threads, native vs per-request SDPA (docs/benchmarks.md,
-# issue 24 session 7): 14 x 146 tokens kvledger-tiny -1..-4 %, 60M -2..-7 %; 4 x 500 -17 %,
-# -7 %; 2 x 1,000 -5 %, -6 %; 1 x 2,000 +16 %, +3 %.
-_NATIVE_PREFILL_MAX_READ = 1024 * 1025 // 2
+# Prefill chunks take the native kernel (native.paged_prefill) while their rows read at most this
+# many context tokens in all: a fresh chunk of 2,048 tokens, the default step budget (a chunk's
+# rows read n * (2 * seq_len - n + 1) / 2, so a short chunk late in a long prompt reads far more
+# than its length says). A prefill step of ~2,000 fresh tokens, 2 threads, native vs per-request
+# SDPA, step time (docs/benchmarks.md, issue 24 session 13): 1 x 2,000 tokens 60M 0.85x bf16 /
+# 0.90x float32, kvledger-tiny 0.77x / 0.82x; 2 x 1,000 0.86x / 0.90x, 0.74x / 0.79x; 4 x 500
+# 0.81x / 0.89x, 0.64x / 0.76x. Longer contexts were not measured: they keep SDPA.
+_NATIVE_PREFILL_MAX_READ = 2048 * 2049 // 2
 
 
 def _prefill_reads(query_len: int, seq_len: int) -> int:
@@ -85,9 +87,7 @@ class _DecodeBatch:
 
 @dataclass
 class _NativeDecode:
-    """Every single-token query of the step, and each row of its short prefill chunks over an
-    unquantised cache (a decode over its causal prefix), for native.paged_decode (blocks read in
-    place)."""
+    """Every single-token query of the step, for native.paged_decode (blocks read in place)."""
 
     rows: torch.Tensor  # [B] query row of each request
     block_tables: torch.Tensor  # [B, max_blocks]
@@ -99,20 +99,33 @@ class _NativeDecode:
 
 
 @dataclass
+class _NativePrefill:
+    """The step's prefill chunks over an unquantised cache whose rows read at most
+    _NATIVE_PREFILL_MAX_READ context tokens, for native.paged_prefill (blocks read in place)."""
+
+    row0: torch.Tensor  # [C] first query row of each chunk
+    nrows: torch.Tensor  # [C] its rows
+    block_tables: torch.Tensor  # [C, max_blocks]
+    seq_lens: torch.Tensor  # [C] context length at its last row
+    kv_tokens: int  # the context tokens its rows read in all
+
+
+@dataclass
 class _Plan:
     chunks: list[_Chunk]
     decode: list[_DecodeBatch]
     native_decode: _NativeDecode | None = None
+    native_prefill: _NativePrefill | None = None
     # Quantised caches: this step's rows to keep in the full-precision overlay (after attention).
     overlay_src: torch.Tensor | None = None
     overlay_dst: torch.Tensor | None = None
 
 
 class TorchAttentionBackend:
-    """Reference backend: decodes, and prefill chunks over an unquantised cache whose rows read
-    at most _NATIVE_PREFILL_MAX_READ context tokens (one decode per row), through the native
-    paged-decode kernel where it runs; else per-request SDPA for prefill chunks and grouped
-    padded SDPA for decodes."""
+    """Reference backend: decodes through the native paged-decode kernel, and prefill chunks over
+    an unquantised cache whose rows read at most _NATIVE_PREFILL_MAX_READ context tokens through
+    the native paged-prefill kernel, where they run; else per-request SDPA for prefill chunks and
+    grouped padded SDPA for decodes."""
 
     def __init__(self) -> None:
         # Per-step plan, built by the first layer and reused by the others (same metadata object).
@@ -135,21 +148,33 @@ class TorchAttentionBackend:
             return _attend_windowed(q, layer_cache, meta, scale, window, softcap)
         num_tokens, num_heads, head_dim = q.shape
         plan = self._get_plan(meta, q.dtype, k.shape[1] * k.shape[2], layer_cache, num_heads)
-        nd = plan.native_decode
-        if len(plan.chunks) == 1 and nd is None and not plan.decode and plan.chunks[0].end == num_tokens:
+        nd, npf = plan.native_decode, plan.native_prefill
+        if (
+            len(plan.chunks) == 1
+            and nd is None
+            and npf is None
+            and not plan.decode
+            and plan.chunks[0].end == num_tokens
+        ):
             # A lone request (the common prefill and single-stream decode): no scatter needed.
             out = self._attend_chunk(q, k, v, layer_cache, plan.chunks[0], scale)
             if plan.overlay_dst is not None:
                 layer_cache.write_overlay(k, v, plan.overlay_src, plan.overlay_dst)
             return out
-        out = q.new_empty(num_tokens, num_heads * head_dim)
+        out = empty_rows(num_tokens, num_heads * head_dim, q.dtype, q.device)  # o_proj's input
         for c in plan.chunks:
             out[c.start : c.end] = self._attend_chunk(q, k, v, layer_cache, c, scale)
+        if nd is not None or npf is not None:
+            if q.stride(2) != 1 or q.stride(1) != head_dim:
+                q = q.contiguous()  # the kernels take any row stride, heads packed
         if nd is not None:
-            q = q.contiguous()
             native.paged_decode(
                 q, layer_cache, nd.block_tables, nd.seq_lens, nd.rows, out, scale, nd.fp_spans, k, v,
                 nd.kv_tokens,
+            )
+        if npf is not None:
+            native.paged_prefill(
+                q, layer_cache, npf.block_tables, npf.seq_lens, npf.row0, npf.nrows, out, scale, npf.kv_tokens
             )
         num_kv_heads = k.shape[1]
         for d in plan.decode:
@@ -251,23 +276,22 @@ def _build_plan(
         starts.append(pos)
         pos += n
 
-    native_decode = None
+    native_decode = native_prefill = None
     overlay = quant is not None and quant.overlay
     if use_native:
         groups = []
         batched = {i for i, n in enumerate(meta.query_lens_list) if n == 1}
-        # Unquantised caches: each row of a prefill chunk is a decode over its causal prefix,
-        # read from the cache this layer just wrote (quantised caches keep SDPA over the chunk's
-        # full-precision rows).
+        # Unquantised caches: prefill chunks read from the cache this layer just wrote
+        # (quantised caches keep SDPA over the chunk's full-precision rows).
         prefill = [] if quant is not None else [
             i
             for i, (n, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True))
             if n > 1 and _prefill_reads(n, seq_len) <= _NATIVE_PREFILL_MAX_READ
         ]
-        if batched or prefill:
-            native_decode = _native_decode(
-                meta, sorted(batched), starts, quant if overlay else None, prefill
-            )
+        if batched:
+            native_decode = _native_decode(meta, sorted(batched), starts, quant if overlay else None)
+        if prefill:
+            native_prefill = _native_prefill(meta, prefill, starts)
         batched.update(prefill)
     else:
         groups = _decode_groups(meta, kv_width * dtype.itemsize * 2)
@@ -303,7 +327,7 @@ def _build_plan(
         )
 
     decode = [_decode_batch(meta, g, starts, dtype, quant if overlay else None) for g in groups]
-    plan = _Plan(chunks, decode, native_decode)
+    plan = _Plan(chunks, decode, native_decode, native_prefill)
     if overlay:
         plan.overlay_src, plan.overlay_dst = overlay_writes(meta, quant, starts, device)
     return plan
@@ -328,23 +352,25 @@ def _native_decode(
     decodes: list[int],
     starts: list[int],
     quant: OverlayInfo | None,
-    prefill: list[int] = (),
 ) -> _NativeDecode:
     rows, tables, seq_lens = _select_requests(meta, decodes, starts)
     spans = None if quant is None else decode_spans(meta, quant, decodes)
     kv_tokens = sum(meta.seq_lens_list[i] for i in decodes)
-    if prefill:  # one row per query token, its context ending at its own position
-        device = meta.slot_mapping.device
-        parts_r, parts_t, parts_l = [rows], [tables], [seq_lens.to(torch.int64)]
-        for i in prefill:
-            n, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
-            parts_r.append(torch.arange(starts[i], starts[i] + n, dtype=torch.int64, device=device))
-            parts_t.append(meta.block_tables[i].expand(n, -1))
-            parts_l.append(torch.arange(seq_len - n + 1, seq_len + 1, dtype=torch.int64, device=device))
-            kv_tokens += _prefill_reads(n, seq_len)
-        rows, tables, seq_lens = torch.cat(parts_r), torch.cat(parts_t), torch.cat(parts_l)
     return _NativeDecode(
         rows, tables.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous(), kv_tokens, spans
+    )
+
+
+def _native_prefill(meta: AttentionMetadata, prefill: list[int], starts: list[int]) -> _NativePrefill:
+    device = meta.slot_mapping.device
+    idx = torch.tensor(prefill, dtype=torch.int64, device=device)
+    lens = meta.query_lens_list
+    return _NativePrefill(
+        torch.tensor([starts[i] for i in prefill], dtype=torch.int64, device=device),
+        torch.tensor([lens[i] for i in prefill], dtype=torch.int64, device=device),
+        meta.block_tables.index_select(0, idx).to(torch.int64).contiguous(),
+        meta.seq_lens.index_select(0, idx).to(torch.int64).contiguous(),
+        sum(_prefill_reads(lens[i], meta.seq_lens_list[i]) for i in prefill),
     )
 
 
