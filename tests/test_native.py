@@ -622,6 +622,10 @@ def test_small_gemm_bf16_accumulates_in_float32(isa, m, n, k):
     torch.testing.assert_close(got.double(), ref, atol=1e-5 * math.sqrt(k), rtol=2.0**-8)
     rows = native.small_gemm(x[m - 1 :], w, b)  # a row alone: the same bits
     assert torch.equal(rows[0], got[m - 1])
+    # float_out (the LM head's logits): the same bf16 values, written as float32
+    as_float = native.small_gemm(x, w, b, float_out=True)
+    assert as_float.dtype == torch.float32 and as_float.shape == (m, n)
+    assert torch.equal(as_float, got.float())
 
 
 @needs_native

@@ -93,6 +93,19 @@ class Linear(nn.Module):
                 return torch.cat([native.small_gemm(x[:n], small, self.bias), self._big(x[n:])])
         return self._big(x)
 
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """self(x).float(); a bfloat16 product that takes the row-wise kernel (all rows within
+        ROW_INVARIANT: the LM head) gets its float32 copy from the kernel, same values."""
+        small = self.small
+        if (
+            small is not None
+            and x.dim() == 2
+            and x.dtype == torch.bfloat16 == small.dtype
+            and (x.shape[0] <= self.small_rows or ROW_INVARIANT.rows >= x.shape[0])
+        ):
+            return native.small_gemm(x, small, self.bias, float_out=True)
+        return self(x).float()
+
     def _big(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return _bucketed_rows(

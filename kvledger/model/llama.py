@@ -293,14 +293,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] → float32 logits [N, vocab]; pass only the rows that need logits."""
         head = self.head
+        cap = self.config.final_softcap
         if head is not None:
             with ROW_INVARIANT.leading(hidden_states.shape[0]):  # one row per request
+                if self.vocab_gather is None and cap is None:
+                    return head.forward_float(hidden_states)
                 logits = head(hidden_states)
         else:
             logits = F.linear(hidden_states, self.model.embed_tokens.weight)
         if self.vocab_gather is not None:
             logits = self.vocab_gather(logits)
-        cap = self.config.final_softcap
         if cap is not None:  # in the model dtype, as HF
             logits = torch.tanh(logits / cap) * cap
         return logits.float()

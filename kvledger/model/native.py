@@ -196,7 +196,8 @@ def library() -> ctypes.CDLL | None:
         logger.warning("native kernels unavailable, using torch's: %s", detail)
         return None
     i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16):
+    for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
+               lib.kvl_small_gemm_bf16_packed_f32out):
         fn.argtypes = [ptr] * 4 + [i64] * 3 + [c_int]
     lib.kvl_packed_weight_numel.argtypes = [i64, i64]
     lib.kvl_packed_weight_numel.restype = i64
@@ -221,7 +222,7 @@ def library() -> ctypes.CDLL | None:
     lib.kvl_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, c_int]
     lib.kvl_argmax_rows.restype = c_int
     for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
-               lib.kvl_pack_weight, lib.kvl_bf16_packed_available, lib.kvl_paged_decode, lib.kvl_paged_prefill,
+               lib.kvl_small_gemm_bf16_packed_f32out, lib.kvl_pack_weight, lib.kvl_bf16_packed_available, lib.kvl_paged_decode, lib.kvl_paged_prefill,
                lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16, lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul,
                lib.kvl_silu_mul_bf16, lib.kvl_quantize_write):
         fn.restype = c_int
@@ -386,12 +387,14 @@ def small_gemm(
     weight: GemmWeight | torch.Tensor,
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
+    float_out: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias) with the native kernel; CPU, float32 or bfloat16 (x,
     weight and bias of one dtype; bf16 accumulates in float32), K % 8 == 0, bias contiguous
     (the caller checks, see Linear.forward). A plain tensor is packed first (tests; layers keep
     their GemmWeight). ``out``: a contiguous [M, N] tensor of x's dtype to write into (rows of
-    a larger result), returned."""
+    a larger result), returned. ``float_out`` (bfloat16, not with out): the bf16 result as
+    float32, written so by the kernel where the weight is blocked."""
     if isinstance(weight, torch.Tensor):
         if weight.dim() != 2 or weight.shape[1] % 8 or x.shape[-1] != weight.shape[1]:
             raise ValueError(f"small_gemm: unsupported shape x {tuple(x.shape)} weight {tuple(weight.shape)}")
@@ -404,7 +407,12 @@ def small_gemm(
             f"small_gemm: weight laid out in tiles of {weight.tile} outputs, the loaded build's "
             f"are {lib.tile_width} (pack it again after changing {ISA_ENV})"
         )
-    if _bf16(x):
+    float_out = float_out and _bf16(x) and out is None
+    if float_out:
+        if not weight.blocked:
+            return small_gemm(x, weight, bias).float()
+        fn = lib.kvl_small_gemm_bf16_packed_f32out
+    elif _bf16(x):
         fn = lib.kvl_small_gemm_bf16_packed if weight.blocked else lib.kvl_small_gemm_bf16
     else:
         fn = lib.kvl_small_gemm_packed
@@ -413,7 +421,7 @@ def small_gemm(
     if k != weight.k:
         raise ValueError(f"small_gemm: x {tuple(x.shape)} against a weight of {weight.k} columns")
     if out is None:
-        y = torch.empty(m, weight.n, dtype=x.dtype)
+        y = torch.empty(m, weight.n, dtype=torch.float32 if float_out else x.dtype)
     elif out.shape != (m, weight.n) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(
             f"small_gemm: out {tuple(out.shape)} {out.dtype} must be a contiguous ({m}, {weight.n}) {x.dtype}"

@@ -72,8 +72,10 @@ static inline __attribute__((always_inline)) void prefetch_some(prefetch_t *pf) 
         _mm_prefetch(pf->next, _MM_HINT_T0);
 }
 
-/* The tile's outputs for rows m0..m0+MM-1: acc (float32 sums) + bias, stored as float32 or
- * rounded to bfloat16, the columns past N dropped. */
+/* The tile's outputs for rows m0..m0+MM-1: acc (float32 sums) + bias, stored as float32
+ * (bf16 = 0), rounded to bfloat16 (1), or rounded to bfloat16 and stored as the float32 of that
+ * value (2: what a bfloat16 result converted to float32 holds, without the conversion's pass),
+ * the columns past N dropped. */
 static inline __attribute__((always_inline)) void store_tile(const int MM, vf acc[MT][NB], const float *bias,
                                                              void *y, int bf16, int64_t N, int64_t n0) {
     for (int m = 0; m < MM; m++)
@@ -83,7 +85,15 @@ static inline __attribute__((always_inline)) void store_tile(const int MM, vf ac
             float tmp[VW];
             vf v = vadd(acc[m][b], vload(bias + b * VW));
             int64_t cnt = N - n < VW ? N - n : VW;
-            if (bf16) {
+            if (bf16 == 2) {
+                float *yr = (float *)y + m * N + n;
+                if (cnt == VW) {
+                    vstore(yr, vround_bf16(v));
+                } else {
+                    vstore(tmp, v);
+                    for (int64_t j = 0; j < cnt; j++) yr[j] = bf16_to_f32(f32_to_bf16(tmp[j]));
+                }
+            } else if (bf16) {
                 uint16_t *yr = (uint16_t *)y + m * N + n;
                 if (cnt == VW) {
                     vstore_bf16(yr, v);
@@ -185,8 +195,8 @@ int kvl_bf16_packed_available(void) {
 #if defined(KVL_AVX512BF16)
 static inline __attribute__((always_inline)) void tile_bf16p(const int MM, const uint16_t *x,
                                                              const uint16_t *wt, const float *bias,
-                                                             uint16_t *y, int64_t N, int64_t K, int64_t n0,
-                                                             prefetch_t pf) {
+                                                             void *y, int out, int64_t N, int64_t K,
+                                                             int64_t n0, prefetch_t pf) {
     vf acc[MT][NB];
     for (int m = 0; m < MM; m++)
         for (int b = 0; b < NB; b++) acc[m][b] = vzero();
@@ -203,12 +213,12 @@ static inline __attribute__((always_inline)) void tile_bf16p(const int MM, const
             }
         }
     }
-    store_tile(MM, acc, bias, y, 1, N, n0);
+    store_tile(MM, acc, bias, y, out, N, n0);
 }
 #define DEFINE_TILE_BF16P(MM)                                                                  \
     static void tile_bf16p_##MM(const uint16_t *x, const uint16_t *wt, const float *bias,     \
-                                uint16_t *y, int64_t N, int64_t K, int64_t n0, prefetch_t pf) { \
-        tile_bf16p(MM, x, wt, bias, y, N, K, n0, pf);                                          \
+                                void *y, int out, int64_t N, int64_t K, int64_t n0, prefetch_t pf) { \
+        tile_bf16p(MM, x, wt, bias, y, out, N, K, n0, pf);                                     \
     }
 DEFINE_TILE_BF16P(1)
 DEFINE_TILE_BF16P(2)
@@ -216,16 +226,17 @@ DEFINE_TILE_BF16P(3)
 DEFINE_TILE_BF16P(4)
 DEFINE_TILE_BF16P(5)
 DEFINE_TILE_BF16P(6)
-typedef void (*tile_bf16p_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *, int64_t, int64_t, int64_t,
-                              prefetch_t);
+typedef void (*tile_bf16p_fn)(const uint16_t *, const uint16_t *, const float *, void *, int, int64_t, int64_t,
+                              int64_t, prefetch_t);
 static const tile_bf16p_fn TILES_BF16P[MT + 1] = {0, tile_bf16p_1, tile_bf16p_2, tile_bf16p_3,
                                                   tile_bf16p_4, tile_bf16p_5, tile_bf16p_6};
 #endif
 
 /* The drivers' loop: tiles split over the threads in contiguous ranges, each tile meeting the
- * rows of x MT at a time (es: element size, 4 float32, 2 bfloat16). */
+ * rows of x MT at a time (es: element size, 4 float32, 2 bfloat16; f32_out: bfloat16 results
+ * stored as float32, store_tile's mode 2). */
 static int run_tiles(int es, const void *x, const void *wp, const void *b, void *y, int64_t M,
-                     int64_t N, int64_t K, int num_threads) {
+                     int64_t N, int64_t K, int num_threads, int f32_out) {
     if (M < 1 || N < 1 || K < 2 || K % 2 != 0 || num_threads < 1) return -1;
     const int64_t T = num_tiles(N), tile_bytes = NT * K * es, lines = tile_bytes / 64;
     const int64_t passes = (M + MT - 1) / MT;
@@ -243,10 +254,10 @@ static int run_tiles(int es, const void *x, const void *wp, const void *b, void 
                 pf.per8 = (pf.left * 8 + K - 1) / K;
             }
             const char *xm = (const char *)x + m0 * K * es;
-            char *ym = (char *)y + m0 * N * es;
+            char *ym = (char *)y + m0 * N * (f32_out ? 4 : es);
 #if defined(KVL_AVX512BF16)
             if (es == 2) {
-                TILES_BF16P[mm]((const uint16_t *)xm, (const uint16_t *)wt, bias, (uint16_t *)ym, N, K, t * NT, pf);
+                TILES_BF16P[mm]((const uint16_t *)xm, (const uint16_t *)wt, bias, ym, f32_out ? 2 : 1, N, K, t * NT, pf);
                 continue;
             }
 #endif
@@ -259,7 +270,7 @@ static int run_tiles(int es, const void *x, const void *wp, const void *b, void 
 /* y[M,N] = x[M,K] W^T (+ b), float32, W in the blocked layout (kvl_pack_weight). */
 int kvl_small_gemm_packed(const float *x, const float *wp, const float *b, float *y, int64_t M,
                           int64_t N, int64_t K, int num_threads) {
-    return run_tiles(4, x, wp, b, y, M, N, K, num_threads);
+    return run_tiles(4, x, wp, b, y, M, N, K, num_threads, 0);
 }
 
 /* bfloat16 x, blocked W, bias: float32 accumulation, one rounding to bfloat16 at the end (as
@@ -267,7 +278,20 @@ int kvl_small_gemm_packed(const float *x, const float *wp, const float *b, float
 int kvl_small_gemm_bf16_packed(const uint16_t *x, const uint16_t *wp, const uint16_t *b, uint16_t *y,
                                int64_t M, int64_t N, int64_t K, int num_threads) {
 #if defined(KVL_AVX512BF16)
-    return run_tiles(2, x, wp, b, y, M, N, K, num_threads);
+    return run_tiles(2, x, wp, b, y, M, N, K, num_threads, 0);
+#else
+    (void)x, (void)wp, (void)b, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+    return -1;
+#endif
+}
+
+/* The same product with y float32: each result rounded to bfloat16 and stored as that value's
+ * float32 (the LM head: sampling reads float32 logits, and the bf16 -> float32 pass over
+ * [rows, vocab] cost ~2 % of a 60-decode step of the 60M model). -1 without vdpbf16ps. */
+int kvl_small_gemm_bf16_packed_f32out(const uint16_t *x, const uint16_t *wp, const uint16_t *b, float *y,
+                                      int64_t M, int64_t N, int64_t K, int num_threads) {
+#if defined(KVL_AVX512BF16)
+    return run_tiles(2, x, wp, b, y, M, N, K, num_threads, 1);
 #else
     (void)x, (void)wp, (void)b, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
     return -1;
