@@ -693,6 +693,30 @@ def test_bf16_request_alone_is_bit_identical_to_the_same_request_in_a_full_batch
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_copies_rows_to_their_slots_as_index_copy(isa, dtype, monkeypatch):
+    """PagedKVCache.write through the native copy: the rows of a fused qkv output (strided views)
+    land where index_copy_ puts them; a slot outside the cache raises and writes nothing."""
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 12, 4, 2, 32, generator=g).to(dtype)
+    want, got = PagedKVCache(kv.clone()), PagedKVCache(kv.clone())
+    qkv = torch.randn(7, (8 + 2 + 2) * 32, generator=g).to(dtype)
+    k = qkv[:, 256:320].view(7, 2, 32)
+    v = qkv[:, 320:].view(7, 2, 32)
+    slots = torch.tensor([5, 0, 47, 13, 14, 15, 30])
+    want._k_slots.index_copy_(0, slots, k)
+    want._v_slots.index_copy_(0, slots, v)
+    calls = []
+    monkeypatch.setattr(native, "write_kv", lambda *a, _f=native.write_kv: calls.append(1) or _f(*a))
+    got.write(k, v, slots)
+    assert calls and torch.equal(got.kv, want.kv)
+    before = got.kv.clone()
+    with pytest.raises(ValueError, match="slot outside"):
+        got.write(k, v, torch.tensor([1, 2, 3, 4, 5, 6, 48]))
+    assert torch.equal(got.kv, before), "nothing written"
+
+
+@needs_native
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_write_is_bit_identical_to_kv_quant(isa, fmt, dtype):

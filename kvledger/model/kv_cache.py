@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from kvledger.model import host_memory
+from kvledger.model import host_memory, native
 
 
 class LayerKVCache(Protocol):
@@ -44,6 +44,8 @@ class PagedKVCache:
         self._v_slots = self.v.view(num_blocks * block_size, num_kv_heads, head_dim)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if k.shape[-2:] == self.k.shape[-2:] and native.write_kv(self, k, v, slot_mapping):
+            return
         self._k_slots.index_copy_(0, slot_mapping, k)
         self._v_slots.index_copy_(0, slot_mapping, v)
 

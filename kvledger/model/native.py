@@ -216,6 +216,7 @@ def library() -> ctypes.CDLL | None:
         fn.argtypes = [ptr, ptr, ptr, i64, i64, c_float, c_int]
     for fn in (lib.kvl_silu_mul, lib.kvl_silu_mul_bf16):
         fn.argtypes = [ptr, ptr, i64, i64, c_int]
+    lib.kvl_write_kv.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.kvl_quantize_write.argtypes = [ptr, ptr, i64, c_int, ptr, i64, i64, i64, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
     lib.kvl_masked_argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, c_int]
     lib.kvl_masked_argmax.restype = c_int
@@ -224,7 +225,7 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
                lib.kvl_small_gemm_bf16_packed_f32out, lib.kvl_pack_weight, lib.kvl_bf16_packed_available, lib.kvl_paged_decode, lib.kvl_paged_prefill,
                lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16, lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul,
-               lib.kvl_silu_mul_bf16, lib.kvl_quantize_write):
+               lib.kvl_silu_mul_bf16, lib.kvl_quantize_write, lib.kvl_write_kv):
         fn.restype = c_int
     lib.isa = isa
     lib.bf16_packed = bool(lib.kvl_bf16_packed_available())
@@ -446,6 +447,30 @@ def small_gemm(
 def can_quantize_write(k: torch.Tensor) -> bool:
     """quantize_write takes these new rows: CPU, float32 or bfloat16, head_dim <= 256."""
     return k.device.type == "cpu" and k.dtype in (torch.float32, torch.bfloat16) and k.shape[-1] <= 256 and library() is not None
+
+
+def write_kv(layer_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """PagedKVCache.write in one native call (csrc/kv_write.c): rows k, v [T, Hkv, D] copied to
+    their slots. False (nothing written) where the call does not apply: not CPU, another dtype
+    than the cache's, or no native library; raises ValueError naming a slot out of range."""
+    kc, vc = layer_cache.k, layer_cache.v
+    if k.device.type != "cpu" or k.dtype != kc.dtype or kc.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != k.shape[2]:
+        k, v = k.contiguous(), v.contiguous()
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+    slots = slots.contiguous()
+    num_blocks, block_size, hkv, d = kc.shape
+    rc = lib.kvl_write_kv(
+        k.data_ptr(), v.data_ptr(), k.stride(0), k.element_size(), slots.data_ptr(), k.shape[0], hkv * d,
+        num_blocks * block_size, kc.data_ptr(), vc.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"write_kv: a slot outside the cache's {num_blocks * block_size} (k {tuple(k.shape)})")
+    return True
 
 
 def quantize_write(layer_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
