@@ -433,6 +433,23 @@ def test_paged_prefill_matches_float64_causal_attention(isa, heads, kv_heads, he
 
 
 @needs_native
+def test_paged_prefill_reads_a_long_bf16_context_without_its_converted_copy(isa):
+    """Past 2^20 floats of converted V rows per thread (9,000 tokens at head_dim 128) the kernel
+    converts bf16 V rows per lane group instead of once per tile: same attention."""
+    chunks = [(9000, 2), (40, 40)]
+    (q, cache, tables, seq_lens, row0, nrows), num_tokens = _prefill_case(
+        torch.bfloat16, chunks, 8, 2, 128, 16, seed=4, num_blocks=600
+    )
+    out = torch.zeros(num_tokens, 8 * 128, dtype=torch.bfloat16)
+    native.paged_prefill(q, cache, tables, seq_lens, row0, nrows, out, 0.1)
+    rows = [1, 2, *range(3, 43)]
+    lens = [8999, 9000, *range(1, 41)]
+    row_tables = [tables[0], tables[0], *[tables[1]] * 40]
+    ref = _reference(q, cache.k.double(), cache.v.double(), row_tables, lens, rows, 0.1)
+    torch.testing.assert_close(out[rows].double(), ref, atol=8e-3, rtol=8e-3)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_prefill_rows_do_not_depend_on_their_neighbours(isa, dtype):
     """A row's bits depend on its query and context only: the same prompt prefilled in one

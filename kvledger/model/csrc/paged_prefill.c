@@ -40,6 +40,10 @@
 #define PF_MAX_D 256
 #define PF_MAX_ACC 16 /* V accumulators in registers: lanes per V group x D / VW */
 #define PF_TOKENS 8   /* score accumulators: tokens per pass */
+/* bf16 V rows are converted once per tile into a buffer of len * D floats while that stays at
+ * most this many (4 MiB a thread: a 16K-token context at head_dim 64); past it, each lane group
+ * converts the rows it reads (the same values, so the same results). */
+#define PF_VBUF_MAX_FLOATS (1 << 20)
 
 #if VW == 16
 typedef __mmask16 vmask;
@@ -100,8 +104,9 @@ static inline __attribute__((always_inline)) void score_tokens(
 }
 
 /* out[lane] = (sum_t p_t V_t) / sum[lane] for the GN lanes from l0 (p in sc[t * VW + lane], zero
- * past the lane's len), in token order; V rows from the cache (float32) or from vbuf (bfloat16,
- * converted once per tile: per lane group, the conversions cost half as much as the products).
+ * past the lane's len), in token order; V rows from the cache (float32, or bfloat16 converted
+ * here) or from vbuf (bfloat16 converted once per tile: per lane group, the conversions cost
+ * half as much as the products).
  * GN, KT and D are compile-time constants at the call sites. */
 static inline __attribute__((always_inline)) void v_lanes(
     const pargs_t *a, const float *sc, const float *sum, const int64_t *lens, const int64_t *table, int64_t l0,
@@ -114,11 +119,13 @@ static inline __attribute__((always_inline)) void v_lanes(
     for (int64_t i = 0; i < GN * DV; i++) acc[i] = vzero();
     walk_t w = {0, 0};
     for (int64_t t = 0; t < tmax; t++) {
-        const float *vf32 = KT == ELEM_F32 ? (const float *)walk_next(&w, a->vc, table, a->bs, row, off) : vbuf + t * D;
+        const char *raw = walk_next(&w, a->vc, table, a->bs, row, off);
+        const float *conv = KT != ELEM_F32 && vbuf ? vbuf + t * D : NULL;
         vf pv[4];
         for (int64_t gi = 0; gi < GN; gi++) pv[gi] = vset1(sc[t * VW + l0 + gi]);
         for (int64_t d = 0; d < DV; d++) {
-            const vf vv = vload_as_n(vf32 + d * VW, ELEM_F32, D - d * VW);
+            const vf vv = conv ? vload_as_n(conv + d * VW, ELEM_F32, D - d * VW)
+                               : vload_as_n(raw + d * VW * es, KT, D - d * VW);
             for (int64_t gi = 0; gi < GN; gi++) acc[gi * DV + d] = vfmadd(pv[gi], vv, acc[gi * DV + d]);
         }
     }
@@ -152,7 +159,7 @@ static inline __attribute__((always_inline)) void tile_attend(
     }
     float sum[VW];
     vstore(sum, total);
-    if (KT != ELEM_F32) {
+    if (KT != ELEM_F32 && vbuf) {
         const int64_t es = 2, row = a->Hkv * D * es, off = kvh * D * es;
         w = (walk_t){0, 0};
         for (t = 0; t < len_max; t++) {
@@ -222,7 +229,8 @@ int kvl_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, 
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *buf = malloc(sizeof(float) * (max_len * VW + 2 * D * VW + PF_TOKENS * PF_MAX_D + max_len * D));
+        const int64_t vbuf_floats = kt != ELEM_F32 && max_len * D <= PF_VBUF_MAX_FLOATS ? max_len * D : 0;
+        float *buf = malloc(sizeof(float) * (max_len * VW + 2 * D * VW + PF_TOKENS * PF_MAX_D + vbuf_floats));
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -232,7 +240,8 @@ int kvl_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, 
             if (!buf) continue;
             const int64_t c = item[3 * i], kvh = item[3 * i + 1], lane0 = item[3 * i + 2] * VW;
             const int64_t n = nrows[c], L = seq_lens[c];
-            float *sc = buf, *qT = sc + max_len * VW, *of = qT + D * VW, *kbuf = of + D * VW, *vbuf = kbuf + PF_TOKENS * PF_MAX_D;
+            float *sc = buf, *qT = sc + max_len * VW, *of = qT + D * VW, *kbuf = of + D * VW;
+            float *vbuf = vbuf_floats ? kbuf + PF_TOKENS * PF_MAX_D : NULL;
             int64_t lens[VW], len_max = 0;
             for (int l = 0; l < VW; l++) {
                 const int64_t idx = lane0 + l, r = idx / G, g = idx % G;
