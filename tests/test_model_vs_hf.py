@@ -166,6 +166,7 @@ def test_prefill_chunks_take_the_native_kernel_by_the_context_their_rows_read(tm
 
     def run(bound):
         monkeypatch.setattr(torch_backend, "_NATIVE_PREFILL_MAX_READ", bound)
+        monkeypatch.setattr(torch_backend, "_NATIVE_PREFILL_MAX_READ_SHORT", bound)
         drv = PagedDriver(loaded, seed=3)
         first = drv.step([("a", a[:40]), ("b", b[:12])])
         plan1 = loaded.model.attn_backend._plan
@@ -183,6 +184,16 @@ def test_prefill_chunks_take_the_native_kernel_by_the_context_their_rows_read(tm
     assert (plan2.native_prefill.row0.tolist(), plan2.native_prefill.nrows.tolist()) == ([3], [3])
     assert plan2.native_prefill.seq_lens.tolist() == [15]
     torch.testing.assert_close(mixed, sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_native_prefill_bound_follows_the_measured_shapes():
+    """Up to a fresh 1,024-token chunk's reads in any context; up to a fresh 2,048-token chunk's
+    in contexts of at most 16,384 tokens; late chunks of longer prompts past that keep SDPA,
+    where the kernel measured slower (32 rows at 32,768 tokens, float32)."""
+    takes = torch_backend._native_prefill_takes
+    assert takes(2048, 2048) and takes(512, 4096) and takes(64, 16384) and takes(16, 32768)
+    assert not takes(32, 32768) and not takes(200, 16384) and not takes(600, 8192)
+    assert not takes(2049, 2049) and not takes(65, 16385)
 
 
 def test_longrope_long_prompt_uses_the_long_factors(tmp_path):

@@ -60,14 +60,27 @@ class _Chunk:
     fix: Fix | None = None
 
 
-# Prefill chunks take the native kernel (native.paged_prefill) while their rows read at most this
-# many context tokens in all: a fresh chunk of 2,048 tokens, the default step budget (a chunk's
-# rows read n * (2 * seq_len - n + 1) / 2, so a short chunk late in a long prompt reads far more
-# than its length says). A prefill step of ~2,000 fresh tokens, 2 threads, native vs per-request
-# SDPA, step time (docs/benchmarks.md, issue 24 session 13): 1 x 2,000 tokens 60M 0.85x bf16 /
-# 0.90x float32, kvledger-tiny 0.77x / 0.82x; 2 x 1,000 0.86x / 0.90x, 0.74x / 0.79x; 4 x 500
-# 0.81x / 0.89x, 0.64x / 0.76x. Longer contexts were not measured: they keep SDPA.
-_NATIVE_PREFILL_MAX_READ = 2048 * 2049 // 2
+# Prefill chunks take the native kernel (native.paged_prefill) while their rows read at most
+# _NATIVE_PREFILL_MAX_READ context tokens in all (a fresh 1,024-token chunk), or, in contexts of
+# at most _NATIVE_PREFILL_SHORT_CONTEXT tokens, _NATIVE_PREFILL_MAX_READ_SHORT (a fresh
+# 2,048-token chunk, the default step budget). A chunk's rows read n * (2 * seq_len - n + 1) / 2,
+# so a short chunk late in a long prompt reads far more than its length says. Measured
+# (docs/benchmarks.md, issue 24 session 13), native vs per-request SDPA: whole prefill steps of
+# ~2,000 fresh tokens 0.64-0.90x (1 x 2,000, 2 x 1,000, 4 x 500; 60M and kvledger-tiny, bf16 and
+# float32); one layer's attention of a late chunk, 60M shapes, bf16 / float32: 512 or 64 rows in
+# 4,096 tokens 0.56-0.66x, 16 or 64 rows in 16,384 0.51-0.65x, but 32 rows in 32,768 0.50x /
+# 1.21x.
+_NATIVE_PREFILL_MAX_READ = 1024 * 1025 // 2
+_NATIVE_PREFILL_MAX_READ_SHORT = 2048 * 2049 // 2
+_NATIVE_PREFILL_SHORT_CONTEXT = 16384
+
+
+def _native_prefill_takes(query_len: int, seq_len: int) -> bool:
+    """Whether a prefill chunk goes to native.paged_prefill (see _NATIVE_PREFILL_MAX_READ)."""
+    reads = _prefill_reads(query_len, seq_len)
+    return reads <= _NATIVE_PREFILL_MAX_READ or (
+        seq_len <= _NATIVE_PREFILL_SHORT_CONTEXT and reads <= _NATIVE_PREFILL_MAX_READ_SHORT
+    )
 
 
 def _prefill_reads(query_len: int, seq_len: int) -> int:
@@ -100,8 +113,8 @@ class _NativeDecode:
 
 @dataclass
 class _NativePrefill:
-    """The step's prefill chunks over an unquantised cache whose rows read at most
-    _NATIVE_PREFILL_MAX_READ context tokens, for native.paged_prefill (blocks read in place)."""
+    """The step's prefill chunks over an unquantised cache that _native_prefill_takes, for
+    native.paged_prefill (blocks read in place)."""
 
     row0: torch.Tensor  # [C] first query row of each chunk
     nrows: torch.Tensor  # [C] its rows
@@ -123,9 +136,9 @@ class _Plan:
 
 class TorchAttentionBackend:
     """Reference backend: decodes through the native paged-decode kernel, and prefill chunks over
-    an unquantised cache whose rows read at most _NATIVE_PREFILL_MAX_READ context tokens through
-    the native paged-prefill kernel, where they run; else per-request SDPA for prefill chunks and
-    grouped padded SDPA for decodes."""
+    an unquantised cache that _native_prefill_takes through the native paged-prefill kernel,
+    where they run; else per-request SDPA for prefill chunks and grouped padded SDPA for
+    decodes."""
 
     def __init__(self) -> None:
         # Per-step plan, built by the first layer and reused by the others (same metadata object).
@@ -286,7 +299,7 @@ def _build_plan(
         prefill = [] if quant is not None else [
             i
             for i, (n, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True))
-            if n > 1 and _prefill_reads(n, seq_len) <= _NATIVE_PREFILL_MAX_READ
+            if n > 1 and _native_prefill_takes(n, seq_len)
         ]
         if batched:
             native_decode = _native_decode(meta, sorted(batched), starts, quant if overlay else None)
