@@ -28,7 +28,6 @@ def gemm_rows_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
-
 # Up to this many rows a plain tensor: decode steps' products go to the native row-wise kernel
 # (native.small_gemm_max_rows(): 64 with AVX-512), which pads nothing; the spare rows and their
 # zeroing would cost ~0.2 ms of a 60-decode step (33 allocations).

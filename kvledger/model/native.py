@@ -223,9 +223,10 @@ def library() -> ctypes.CDLL | None:
     lib.kvl_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, c_int]
     lib.kvl_argmax_rows.restype = c_int
     for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
-               lib.kvl_small_gemm_bf16_packed_f32out, lib.kvl_pack_weight, lib.kvl_bf16_packed_available, lib.kvl_paged_decode, lib.kvl_paged_prefill,
-               lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16, lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul,
-               lib.kvl_silu_mul_bf16, lib.kvl_quantize_write, lib.kvl_write_kv):
+               lib.kvl_small_gemm_bf16_packed_f32out, lib.kvl_pack_weight, lib.kvl_bf16_packed_available,
+               lib.kvl_paged_decode, lib.kvl_paged_prefill, lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16,
+               lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul, lib.kvl_silu_mul_bf16,
+               lib.kvl_quantize_write, lib.kvl_write_kv):
         fn.restype = c_int
     lib.isa = isa
     lib.bf16_packed = bool(lib.kvl_bf16_packed_available())
@@ -452,9 +453,15 @@ def can_quantize_write(k: torch.Tensor) -> bool:
 def write_kv(layer_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """PagedKVCache.write in one native call (csrc/kv_write.c): rows k, v [T, Hkv, D] copied to
     their slots. False (nothing written) where the call does not apply: not CPU, another dtype
-    than the cache's, or no native library; raises ValueError naming a slot out of range."""
+    than the cache's, a cache that is not one contiguous [slots, Hkv, D] block, or no native
+    library; raises ValueError naming a slot out of range."""
     kc, vc = layer_cache.k, layer_cache.v
-    if k.device.type != "cpu" or k.dtype != kc.dtype or kc.dtype not in (torch.float32, torch.bfloat16):
+    if (
+        k.device.type != "cpu"
+        or k.dtype != kc.dtype
+        or kc.dtype not in (torch.float32, torch.bfloat16)
+        or not (kc.is_contiguous() and vc.is_contiguous())
+    ):
         return False
     lib = library()
     if lib is None:
