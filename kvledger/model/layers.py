@@ -72,15 +72,22 @@ class Linear(nn.Module):
         if self.packed is not None and self.small is not None:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
+    def _row_wise(self, x: torch.Tensor) -> bool:
+        """Every row of x takes the native row-wise kernel: few rows, or (bfloat16) all of them
+        within ROW_INVARIANT."""
+        small = self.small
+        if small is None or x.dim() != 2 or x.dtype != small.dtype:
+            return False
+        m = x.shape[0]
+        return m <= self.small_rows or (x.dtype == torch.bfloat16 and ROW_INVARIANT.rows >= m)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         small = self.small
+        if self._row_wise(x):
+            return native.small_gemm(x, small, self.bias)
         if small is not None and x.dim() == 2 and x.dtype == small.dtype:
             m = x.shape[0]
-            if m <= self.small_rows:
-                return native.small_gemm(x, small, self.bias)
             n = ROW_INVARIANT.rows if x.dtype == torch.bfloat16 else 0
-            if n >= m:
-                return native.small_gemm(x, small, self.bias)
             if n > 0 and m >= OVERWRITE_MIN_ROWS and n * OVERWRITE_MAX_FRACTION <= m:
                 # A few decode rows beside a long prefill: all rows through oneDNN, then the
                 # decode rows overwritten in place by the row-wise kernel. Their products are
@@ -96,14 +103,8 @@ class Linear(nn.Module):
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """self(x).float(); a bfloat16 product that takes the row-wise kernel (all rows within
         ROW_INVARIANT: the LM head) gets its float32 copy from the kernel, same values."""
-        small = self.small
-        if (
-            small is not None
-            and x.dim() == 2
-            and x.dtype == torch.bfloat16 == small.dtype
-            and (x.shape[0] <= self.small_rows or ROW_INVARIANT.rows >= x.shape[0])
-        ):
-            return native.small_gemm(x, small, self.bias, float_out=True)
+        if x.dtype == torch.bfloat16 and self._row_wise(x):
+            return native.small_gemm(x, self.small, self.bias, float_out=True)
         return self(x).float()
 
     def _big(self, x: torch.Tensor) -> torch.Tensor:

@@ -450,6 +450,17 @@ def can_quantize_write(k: torch.Tensor) -> bool:
     return k.device.type == "cpu" and k.dtype in (torch.float32, torch.bfloat16) and k.shape[-1] <= 256 and library() is not None
 
 
+def _new_kv_rows(
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's new k, v [T, Hkv, D] as the write kernels take them (rows of one stride, heads
+    packed: views of the fused qkv output pass as they are) and the slots as contiguous int64."""
+    if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != k.shape[2]:
+        k, v = k.contiguous(), v.contiguous()
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+    return k, v, slots.contiguous()
+
+
 def write_kv(layer_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """PagedKVCache.write in one native call (csrc/kv_write.c): rows k, v [T, Hkv, D] copied to
     their slots. False (nothing written) where the call does not apply: not CPU, another dtype
@@ -466,10 +477,7 @@ def write_kv(layer_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
     lib = library()
     if lib is None:
         return False
-    if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != k.shape[2]:
-        k, v = k.contiguous(), v.contiguous()
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
-    slots = slots.contiguous()
+    k, v, slots = _new_kv_rows(k, v, slot_mapping)
     num_blocks, block_size, hkv, d = kc.shape
     rc = lib.kvl_write_kv(
         k.data_ptr(), v.data_ptr(), k.stride(0), k.element_size(), slots.data_ptr(), k.shape[0], hkv * d,
@@ -483,10 +491,7 @@ def write_kv(layer_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
 def quantize_write(layer_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kv_quant.QuantizedPagedKVCache.write in one native call: codes and float16 scales of the
     new rows k, v [T, Hkv, D] at their slots, bit-identical to kv_quant.quantize (csrc/kv_quant.c)."""
-    if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != k.shape[2]:
-        k, v = k.contiguous(), v.contiguous()
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
-    slots = slots.contiguous()
+    k, v, slots = _new_kv_rows(k, v, slot_mapping)
     t, hkv, d = k.shape
     _check(
         library().kvl_quantize_write(
@@ -554,6 +559,16 @@ def set_split_threads(n: int) -> None:
     _split_threads = max(0, int(n))
 
 
+def _attention_threads(kv_tokens: int, bytes_per_token: int) -> int:
+    """Threads for an attention call reading kv_tokens context tokens of bytes_per_token K/V:
+    set_split_threads' count from DECODE_SPLIT_BYTES on, else torch's (each work item is one
+    thread's, so the result is the same either way)."""
+    threads = torch.get_num_threads()
+    if _split_threads > threads and kv_tokens * bytes_per_token >= DECODE_SPLIT_BYTES:
+        return _split_threads
+    return threads
+
+
 def step_threads(num_tokens: int) -> int:
     """Threads for a forward over ``num_tokens`` tokens, where that differs from torch's (else 0)."""
     if _split_threads > torch.get_num_threads() and num_tokens >= SPLIT_STEP_TOKENS:
@@ -599,9 +614,7 @@ def paged_decode(
         ks = vs = None
     num_blocks, block_size, num_kv_heads, head_dim = kc.shape
     ov = fp_spans is not None
-    threads = torch.get_num_threads()
-    if _split_threads > threads and kv_tokens * num_kv_heads * head_dim * 2 * kc.element_size() >= DECODE_SPLIT_BYTES:
-        threads = _split_threads  # each (request, KV head) is one thread's: same result
+    threads = _attention_threads(kv_tokens, num_kv_heads * head_dim * 2 * kc.element_size())
     rc = library().kvl_paged_decode(
         q.data_ptr(),
         q.stride(0),
@@ -660,9 +673,7 @@ def paged_prefill(
     read in all (the thread rule of paged_decode; the result is the same)."""
     kc, vc = layer_cache.k, layer_cache.v
     _, block_size, num_kv_heads, head_dim = kc.shape
-    threads = torch.get_num_threads()
-    if _split_threads > threads and kv_tokens * num_kv_heads * head_dim * 2 * kc.element_size() >= DECODE_SPLIT_BYTES:
-        threads = _split_threads
+    threads = _attention_threads(kv_tokens, num_kv_heads * head_dim * 2 * kc.element_size())
     rc = library().kvl_paged_prefill(
         q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), ELEM[kc.dtype], block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), row0.data_ptr(), nrows.data_ptr(), row0.shape[0],

@@ -97,6 +97,12 @@ static inline void ahead_next(ahead_walk_t *a, const char *cache, const int64_t 
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
+/* D elements of a cache row (element type KT) as floats at dst. */
+static inline __attribute__((always_inline)) void row_to_f32(float *dst, const char *p, const int KT, const int64_t D) {
+    const int64_t es = KT == ELEM_F32 ? 4 : 2;
+    for (int64_t d = 0; d < D; d += VW) vstore_n(dst + d, vload_as_n(p + d * es, KT, D - d), D - d);
+}
+
 /* Scores of the tile's lanes against `nt` (<= PF_TOKENS) consecutive tokens, into sc. NT is
  * PF_TOKENS (a compile-time constant: the accumulators stay in registers) or 1. */
 static inline __attribute__((always_inline)) void score_tokens(
@@ -110,9 +116,8 @@ static inline __attribute__((always_inline)) void score_tokens(
         if (KT == ELEM_F32) {
             k[j] = (const float *)p;
         } else {
-            float *dst = kbuf + j * PF_MAX_D;
-            for (int64_t d = 0; d < D; d += VW) vstore_n(dst + d, vload_as_n(p + d * es, KT, D - d), D - d);
-            k[j] = dst;
+            row_to_f32(kbuf + j * PF_MAX_D, p, KT, D);
+            k[j] = kbuf + j * PF_MAX_D;
         }
     }
     vf acc[PF_TOKENS];
@@ -190,8 +195,7 @@ static inline __attribute__((always_inline)) void tile_attend(
         ah = ahead_init(a->bs);
         for (t = 0; t < len_max; t++) {
             ahead_next(&ah, a->vc, table, a->bs, row, off, D * es, len_max);
-            const char *p = walk_next(&w, a->vc, table, a->bs, row, off);
-            for (int64_t d = 0; d < D; d += VW) vstore_n(vbuf + t * D + d, vload_as_n(p + d * es, KT, D - d), D - d);
+            row_to_f32(vbuf + t * D, walk_next(&w, a->vc, table, a->bs, row, off), KT, D);
         }
     }
     const int64_t DV = (D + VW - 1) / VW, cap = PF_MAX_ACC / DV >= 4 ? 4 : (PF_MAX_ACC / DV >= 2 ? 2 : 1);
@@ -253,10 +257,10 @@ int kvl_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, 
             }
     const pargs_t a = {k_cache, v_cache, Hkv, bs, scale};
     const int64_t qes = qt == ELEM_BF16 ? 2 : 4;
+    const int64_t vbuf_floats = kt != ELEM_F32 && max_len * D <= PF_VBUF_MAX_FLOATS ? max_len * D : 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        const int64_t vbuf_floats = kt != ELEM_F32 && max_len * D <= PF_VBUF_MAX_FLOATS ? max_len * D : 0;
         float *buf = malloc(sizeof(float) * (max_len * VW + 2 * D * VW + PF_TOKENS * PF_MAX_D + vbuf_floats));
         if (!buf) {
 #pragma omp atomic write
