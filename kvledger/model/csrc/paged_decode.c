@@ -38,6 +38,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kv_walk.h"
 #include "simd.h"
 
 #define MAX_G 16
@@ -46,56 +47,29 @@
 
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
-/* Which block holds a request's blk-th block of context. contig_decode.c includes this file with
- * KVL_CONTIGUOUS defined, turning it into the contiguous reference kernel: each request's blocks
- * are one run starting at table[0], so the address is affine in blk and no table entry is read
- * per block; every loop below is otherwise the same code. Keep every block lookup behind this. */
-#ifdef KVL_CONTIGUOUS
-#define BLOCK_ID(table, blk) (table[0] + (blk))
-#else
-#define BLOCK_ID(table, blk) (table[blk])
-#endif
-
-/* Prefetch distance, in context tokens. The blocks are scattered, so the hardware prefetcher stops
- * at every block's end; each row loop instead asks for the row a fixed number of tokens ahead,
- * crossing into the next block through the table, so rows stay in flight at all times. Measured on
- * a cold 1,000-token decode (D 64, 4 query heads, 1 thread, Zen 4; ns per token and KV head,
- * before: one whole block prefetched at each block's start): rows of one cache line (int8 / fp8
- * codes) 48 -> 24 with 16 rows ahead into L1 (into L2: 43); longer rows (bf16, f32) 58 -> 30 into
- * L1, 24 with 32 rows ahead into L2 (16, 48, 64 and 128 ahead no better). */
+/* Prefetch distance, in context tokens (kv_walk.h). Measured on a cold 1,000-token decode (D 64,
+ * 4 query heads, 1 thread, Zen 4; ns per token and KV head, before: one whole block prefetched at
+ * each block's start): rows of one cache line (int8 / fp8 codes) 48 -> 24 with 16 rows ahead into
+ * L1 (into L2: 43); longer rows (bf16, f32) 58 -> 30 into L1, 24 with 32 rows ahead into L2 (16,
+ * 48, 64 and 128 ahead no better). */
 #define KVL_PD_LINE 16
 #define KVL_PD_ROWS 32
 
-/* Where the row pd tokens ahead lies: (block index in the table, row in the block), advanced
- * one token per row, so no division in the row loops. */
-typedef struct {
-    int64_t blk, j, pd;
-} ahead_t;
-
-static inline ahead_t ahead_start(int64_t bs, int64_t bytes) {
-    const int64_t pd = bytes > 64 ? KVL_PD_ROWS : KVL_PD_LINE;
-    return (ahead_t){pd / bs, pd % bs, pd};
+static inline kv_walk_t ahead_start(int64_t bs, int64_t bytes) {
+    return kv_ahead_start(bytes > 64 ? KVL_PD_ROWS : KVL_PD_LINE, bs);
 }
 
-/* Prefetch the row (one KV head: `bytes` at `head_off`) pd tokens ahead of t, and, for a
- * quantised cache, its block's K and V scales when that row opens a block (one line each:
- * bs * Hkv fp16; either may be NULL). */
-static inline void prefetch_ahead(ahead_t *c, int64_t t, int64_t len, const char *cache, const int64_t *table,
-                                  int64_t bs, int64_t row, int64_t head_off, int64_t bytes,
-                                  const uint16_t *scales, const uint16_t *scales2, int64_t Hkv) {
-    if (t + c->pd < len) {
-        const int64_t slot = BLOCK_ID(table, c->blk) * bs;
-        const char *p = cache + (slot + c->j) * row + head_off;
-        if (bytes > 64)
-            for (int64_t d = 0; d < bytes; d += 64) _mm_prefetch(p + d, _MM_HINT_T1);
-        else
-            _mm_prefetch(p, _MM_HINT_T0);
-        if (scales && c->j == 0) _mm_prefetch((const char *)(scales + slot * Hkv), _MM_HINT_T0);
-        if (scales2 && c->j == 0) _mm_prefetch((const char *)(scales2 + slot * Hkv), _MM_HINT_T0);
-    }
-    if (++c->j == bs) {
-        c->j = 0;
-        c->blk++;
+/* Prefetch the next row ahead (one KV head: `bytes` at `head_off`; one line into L1, longer rows
+ * into L2) and, for a quantised cache, its block's K and V scales when that row opens a block
+ * (one line each: bs * Hkv fp16; either may be NULL). */
+static inline void prefetch_ahead(kv_walk_t *c, int64_t len, const char *cache, const int64_t *table, int64_t bs,
+                                  int64_t row, int64_t head_off, int64_t bytes, const uint16_t *scales,
+                                  const uint16_t *scales2, int64_t Hkv) {
+    const int opens = c->j == 0;
+    const int64_t slot = kv_prefetch_next(c, len, cache, table, bs, row, head_off, bytes, bytes <= 64);
+    if (slot >= 0 && opens) {
+        if (scales) _mm_prefetch((const char *)(scales + slot * Hkv), _MM_HINT_T0);
+        if (scales2) _mm_prefetch((const char *)(scales2 + slot * Hkv), _MM_HINT_T0);
     }
 }
 
@@ -127,12 +101,12 @@ static float dot_fp(const float *q, const char *row, int qt, int64_t D) {
  * factors (scale, times the token's fp16 scale and `unit` for a quantised cache), prefetching
  * ahead and advancing (blk, j) as the one-token loops do; with fv, the tokens' V scales too. */
 static inline __attribute__((always_inline)) void next_rows4(
-    const args_t *a, ahead_t *ahead, int64_t t, int64_t len, const int64_t *table, int64_t row,
+    const args_t *a, kv_walk_t *ahead, int64_t t, int64_t len, const int64_t *table, int64_t row,
     int64_t off, int64_t bytes, const uint16_t *scales, float unit, int64_t kvh, int64_t *blk,
     int64_t *j, const char **k, float *f, float *fv) {
     const int64_t bs = a->bs, Hkv = a->Hkv;
     for (int r = 0; r < 4; r++) {
-        prefetch_ahead(ahead, t + r, len, a->kc, table, bs, row, off, bytes, scales, fv ? a->vs : NULL, Hkv);
+        prefetch_ahead(ahead, len, a->kc, table, bs, row, off, bytes, scales, fv ? a->vs : NULL, Hkv);
         const int64_t slot = BLOCK_ID(table, *blk) * bs + *j;
         k[r] = a->kc + slot * row + off;
         f[r] = scales ? a->scale * half_to_float(scales[slot * Hkv + kvh]) * unit : a->scale;
@@ -160,7 +134,7 @@ static inline __attribute__((always_inline)) void score_pass(
     const int64_t row = Hkv * D * kes, off = kvh * D * kes;
     const float kunit = KT == ELEM_FP8 ? FP8_UNIT : 1.0f;
     const uint16_t *ks = KT >= ELEM_I8 ? a->ks : NULL;
-    ahead_t ahead = ahead_start(bs, D * kes);
+    kv_walk_t ahead = ahead_start(bs, D * kes);
     int64_t t = 0, blk = 0, j = 0; /* token t is row j of the table's block blk */
 #if VW == 16
     if (GS == 4)
@@ -184,7 +158,7 @@ static inline __attribute__((always_inline)) void score_pass(
         const int64_t slot0 = BLOCK_ID(table, blk) * bs;
         const char *k = a->kc + (slot0 + j) * row + off;
         for (const int64_t end = len - t < bs - j ? j + len - t : bs; j < end; j++, t++, k += row) {
-            prefetch_ahead(&ahead, t, len, a->kc, table, bs, row, off, D * kes, ks, fv ? a->vs : NULL, Hkv);
+            prefetch_ahead(&ahead, len, a->kc, table, bs, row, off, D * kes, ks, fv ? a->vs : NULL, Hkv);
             if (fv) fv[t] = half_to_float(a->vs[(slot0 + j) * Hkv + kvh]) * a->vunit;
             vf acc[MAX_G];
             for (int64_t g = 0; g < GS; g++) acc[g] = vzero();
@@ -208,7 +182,7 @@ static inline __attribute__((always_inline)) void score_pass_q16(
     const args_t *a, const int16_t *q16, const float *qs, const int64_t *table, int64_t len, float *sc,
     float *fv, const int64_t D, const int64_t GS, const int64_t kvh) {
     const int64_t Hkv = a->Hkv, bs = a->bs, row = Hkv * D, off = kvh * D;
-    ahead_t ahead = ahead_start(bs, D);
+    kv_walk_t ahead = ahead_start(bs, D);
     int64_t t = 0, blk = 0, j = 0; /* token t is row j of the table's block blk */
 #if VW == 16
     if (GS == 4) { /* four tokens at a time, reduced together, as score_pass */
@@ -237,7 +211,7 @@ static inline __attribute__((always_inline)) void score_pass_q16(
         const int64_t slot0 = BLOCK_ID(table, blk) * bs;
         const int8_t *k = (const int8_t *)a->kc + (slot0 + j) * row + off;
         for (const int64_t end = len - t < bs - j ? j + len - t : bs; j < end; j++, t++, k += row) {
-            prefetch_ahead(&ahead, t, len, a->kc, table, bs, row, off, D, a->ks, fv ? a->vs : NULL, Hkv);
+            prefetch_ahead(&ahead, len, a->kc, table, bs, row, off, D, a->ks, fv ? a->vs : NULL, Hkv);
             if (fv) fv[t] = half_to_float(a->vs[(slot0 + j) * Hkv + kvh]) * a->vunit;
             vi acc[MAX_G];
             for (int64_t g = 0; g < GS; g++) acc[g] = vi_zero();
@@ -263,13 +237,13 @@ static inline __attribute__((always_inline)) void v_pass(
     const int64_t nblocks = (len + bs - 1) / bs;
     vf acc[MAX_ACC > MAX_D / VW ? MAX_ACC : MAX_D / VW];
     for (int64_t i = 0; i < GN * DV; i++) acc[i] = vzero();
-    ahead_t ahead = ahead_start(bs, D * ves);
+    kv_walk_t ahead = ahead_start(bs, D * ves);
     for (int64_t blk = 0, t = 0; blk < nblocks; blk++) {
         const int64_t slot0 = BLOCK_ID(table, blk) * bs;
         const char *v = a->vc + (slot0 * Hkv + kvh) * D * ves;
         const int64_t n = len - t < bs ? len - t : bs;
         for (int64_t j = 0; j < n; j++, t++, v += row) {
-            prefetch_ahead(&ahead, t, len, a->vc, table, bs, row, kvh * D * ves, D * ves, NULL, NULL, Hkv);
+            prefetch_ahead(&ahead, len, a->vc, table, bs, row, kvh * D * ves, D * ves, NULL, NULL, Hkv);
             const float f = VT >= ELEM_I8 ? fv[t] : 1.0f;
             vf pv[MAX_ACC];
             for (int64_t gi = 0; gi < GN; gi++) pv[gi] = vset1(w[gi * len + t] * f);

@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kv_walk.h"
 #include "simd.h"
 
 #define PF_MAX_G 16
@@ -61,40 +62,16 @@ typedef struct {
     float scale;
 } pargs_t;
 
-/* The cache row of context token t for one KV head: (blk, j) walk the table a token at a time. */
-typedef struct {
-    int64_t blk, j;
-} walk_t;
-
-static inline const char *walk_next(walk_t *w, const char *cache, const int64_t *table, int64_t bs, int64_t row,
-                                    int64_t off) {
-    const char *p = cache + (table[w->blk] * bs + w->j) * row + off;
-    if (++w->j == bs) {
-        w->j = 0;
-        w->blk++;
-    }
-    return p;
-}
-
-/* Rows are fetched PF_AHEAD tokens before they are read, through the block table (scattered
- * blocks stop the hardware prefetcher at each block's end; paged_decode.c does the same): a long
- * context streams from beyond L2 once per tile. */
+/* Rows are fetched PF_AHEAD tokens before they are read, into L1 (kv_prefetch_next's last
+ * argument), through the block table (kv_walk.h): a long context streams from beyond L2 once
+ * per tile. */
 #define PF_AHEAD 16
-typedef struct {
-    walk_t w;
-    int64_t t; /* the token w points at */
-} ahead_walk_t;
 
-static inline ahead_walk_t ahead_init(int64_t bs) {
-    return (ahead_walk_t){{PF_AHEAD / bs, PF_AHEAD % bs}, PF_AHEAD};
-}
-
-/* Prefetch the next row ahead (bytes at off in its cache row) if it is inside the context. */
-static inline void ahead_next(ahead_walk_t *a, const char *cache, const int64_t *table, int64_t bs, int64_t row,
-                              int64_t off, int64_t bytes, int64_t len) {
-    if (a->t++ >= len) return;
-    const char *p = walk_next(&a->w, cache, table, bs, row, off);
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+/* The cache row of the walker's token for one KV head (`off` into a row of `row` bytes); then
+ * the walker moves to the next token. */
+static inline const char *walk_next(kv_walk_t *w, const char *cache, const int64_t *table, int64_t bs, int64_t row,
+                                    int64_t off) {
+    return cache + kv_walk_next(w, table, bs) * row + off;
 }
 
 /* D elements of a cache row (element type KT) as floats at dst. */
@@ -106,12 +83,12 @@ static inline __attribute__((always_inline)) void row_to_f32(float *dst, const c
 /* Scores of the tile's lanes against `nt` (<= PF_TOKENS) consecutive tokens, into sc. NT is
  * PF_TOKENS (a compile-time constant: the accumulators stay in registers) or 1. */
 static inline __attribute__((always_inline)) void score_tokens(
-    const pargs_t *a, const float *qT, walk_t *w, ahead_walk_t *ah, int64_t len, const int64_t *table, int64_t kvh,
+    const pargs_t *a, const float *qT, kv_walk_t *w, kv_walk_t *ah, int64_t len, const int64_t *table, int64_t kvh,
     float *sc, float *kbuf, const int KT, const int64_t D, const int NT) {
     const int64_t es = KT == ELEM_F32 ? 4 : 2, row = a->Hkv * D * es, off = kvh * D * es;
     const float *k[PF_TOKENS];
     for (int j = 0; j < NT; j++) {
-        ahead_next(ah, a->kc, table, a->bs, row, off, D * es, len);
+        kv_prefetch_next(ah, len, a->kc, table, a->bs, row, off, D * es, 1);
         const char *p = walk_next(w, a->kc, table, a->bs, row, off);
         if (KT == ELEM_F32) {
             k[j] = (const float *)p;
@@ -144,10 +121,10 @@ static inline __attribute__((always_inline)) void v_lanes(
     for (int64_t gi = 0; gi < GN; gi++) tmax = lens[l0 + gi] > tmax ? lens[l0 + gi] : tmax;
     vf acc[PF_MAX_ACC > PF_MAX_D / VW ? PF_MAX_ACC : PF_MAX_D / VW];
     for (int64_t i = 0; i < GN * DV; i++) acc[i] = vzero();
-    walk_t w = {0, 0};
-    ahead_walk_t ah = ahead_init(a->bs);
+    kv_walk_t w = kv_walk_at(0, a->bs);
+    kv_walk_t ah = kv_ahead_start(PF_AHEAD, a->bs);
     for (int64_t t = 0; t < tmax; t++) {
-        if (!vbuf || KT == ELEM_F32) ahead_next(&ah, a->vc, table, a->bs, row, off, D * es, tmax);
+        if (!vbuf || KT == ELEM_F32) kv_prefetch_next(&ah, tmax, a->vc, table, a->bs, row, off, D * es, 1);
         const char *raw = walk_next(&w, a->vc, table, a->bs, row, off);
         const float *conv = KT != ELEM_F32 && vbuf ? vbuf + t * D : NULL;
         vf pv[4];
@@ -169,8 +146,8 @@ static inline __attribute__((always_inline)) void v_lanes(
 static inline __attribute__((always_inline)) void tile_attend(
     const pargs_t *a, const float *qT, const int64_t *lens, const int64_t *table, int64_t len_max, int64_t kvh,
     float *sc, float *kbuf, float *vbuf, float *out, const int KT, const int64_t D) {
-    walk_t w = {0, 0};
-    ahead_walk_t ah = ahead_init(a->bs);
+    kv_walk_t w = kv_walk_at(0, a->bs);
+    kv_walk_t ah = kv_ahead_start(PF_AHEAD, a->bs);
     int64_t t = 0;
     for (; t + PF_TOKENS <= len_max; t += PF_TOKENS)
         score_tokens(a, qT, &w, &ah, len_max, table, kvh, sc + t * VW, kbuf, KT, D, PF_TOKENS);
@@ -191,10 +168,10 @@ static inline __attribute__((always_inline)) void tile_attend(
     vstore(sum, total);
     if (KT != ELEM_F32 && vbuf) {
         const int64_t es = 2, row = a->Hkv * D * es, off = kvh * D * es;
-        w = (walk_t){0, 0};
-        ah = ahead_init(a->bs);
+        w = kv_walk_at(0, a->bs);
+        ah = kv_ahead_start(PF_AHEAD, a->bs);
         for (t = 0; t < len_max; t++) {
-            ahead_next(&ah, a->vc, table, a->bs, row, off, D * es, len_max);
+            kv_prefetch_next(&ah, len_max, a->vc, table, a->bs, row, off, D * es, 1);
             row_to_f32(vbuf + t * D, walk_next(&w, a->vc, table, a->bs, row, off), KT, D);
         }
     }
