@@ -54,7 +54,6 @@ def test_rows_allocated_with_room_are_padded_in_place(dtype):
     lin.weight.data = torch.randn(48, 64).to(dtype)
     lin.bias.data = torch.randn(48).to(dtype)
     lin.pack()
-    assert rows_view(empty_rows(60, 64, dtype), 64) is None  # decode-sized: a plain tensor
     for m in (65, 100, 257, 1025):
         mp = gemm_rows_bucket(m)
         x = empty_rows(m, 64, dtype)
@@ -70,6 +69,29 @@ def test_rows_allocated_with_room_are_padded_in_place(dtype):
         got = lin(x)
         assert torch.equal(got, want) and got.shape == (m, 48)
         assert tail.isnan().all(), "the rows past x are only read"
+
+
+def test_inputs_of_row_wise_products_are_plain_tensors():
+    """No bucket rows (nor their zeroing) behind the input of a product the native row-wise
+    kernel takes whole, which pads nothing: few rows, or bfloat16 rows within ROW_INVARIANT
+    (a step's decodes); every other CPU product's input gets them."""
+    small = native.small_gemm_max_rows()
+    if small == 0:
+        pytest.skip("no native library here")
+
+    def roomy(m: int, dtype: torch.dtype) -> bool:
+        x = empty_rows(m, 64, dtype)
+        return x.untyped_storage().nbytes() > x.nbytes
+
+    m = small + 1 if (small + 1) % 16 else small + 3  # past the kernel's rows, off a bucket
+    more = m + 16
+    assert gemm_rows_bucket(m) > m and gemm_rows_bucket(more) > more
+    for dtype in (torch.float32, torch.bfloat16):
+        assert not roomy(small, dtype) and roomy(m, dtype) and roomy(more, dtype)
+    with ROW_INVARIANT.leading(m):
+        assert not roomy(m, torch.bfloat16)  # bf16 decodes: row-wise whatever their number
+        assert roomy(more, torch.bfloat16)  # beside a prefill: oneDNN takes the rest
+        assert roomy(m, torch.float32)  # float32 keeps the row-count rule
 
 
 def test_rows_view_declines_what_it_cannot_extend():

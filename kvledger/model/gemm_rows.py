@@ -4,10 +4,14 @@ A GEMM of m rows runs padded to gemm_rows_bucket(m) rows (see there). Padding a 
 copy of every row: four a layer, 1.5-2 % of a full-budget prefill step of the 60M model (issue 24,
 docs/benchmarks.md). The kernels whose outputs feed a GEMM (RMSNorm, SiLU-and-mul, attention)
 allocate them with empty_rows instead: the m rows are a view of a buffer of the bucket's rows,
-so the GEMM reads the padded rows in place (rows_view).
+so the GEMM reads the padded rows in place (rows_view). Products that the native row-wise
+kernel takes whole pad nothing (row_wise, which Linear follows too).
 """
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -28,16 +32,44 @@ def gemm_rows_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
-# Up to this many rows a plain tensor: decode steps' products go to the native row-wise kernel
-# (native.small_gemm_max_rows(): 64 with AVX-512), which pads nothing; the spare rows and their
-# zeroing would cost ~0.2 ms of a 60-decode step (33 allocations).
-PLAIN_ROWS = 64
+@dataclass
+class _RowInvariant:
+    """bfloat16 batch invariance: the leading `rows` rows of the current forward pass (a step's
+    single-token decodes, or every LM-head row) take the native row-wise GEMM whatever their
+    number, so a decoding request's products never depend on how many others share its step.
+    (oneDNN's bf16 kernels change with the row count and round differently from the native
+    kernel; in float32 the difference stays below the last bits that decide a token, so
+    float32 keeps the plain row-count rule, native.small_gemm_max_rows().)"""
+
+    rows: int = 0
+
+    @contextlib.contextmanager
+    def leading(self, rows: int):
+        before, self.rows = self.rows, rows
+        try:
+            yield
+        finally:
+            self.rows = before
+
+
+ROW_INVARIANT = _RowInvariant()
+
+
+def row_wise(m: int, dtype: torch.dtype) -> bool:
+    """Every row of an m-row product takes the native row-wise kernel (for a weight it has
+    packed, see Linear._row_wise): few rows (native.small_gemm_max_rows()), or bfloat16 rows
+    within ROW_INVARIANT."""
+    from kvledger.model import native  # which imports this module
+
+    return m <= native.small_gemm_max_rows() or (dtype == torch.bfloat16 and ROW_INVARIANT.rows >= m)
 
 
 def empty_rows(m: int, n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """An uninitialised [m, n] tensor whose storage continues with zeroed rows up to
-    gemm_rows_bucket(m) (CPU, more than PLAIN_ROWS rows; else a plain tensor)."""
-    if m <= PLAIN_ROWS or torch.device(device).type != "cpu":
+    gemm_rows_bucket(m) (CPU); a plain tensor where the product it feeds takes the row-wise
+    kernel, which pads nothing (spare rows and their zeroing would cost ~0.2 ms of a 60-decode
+    step, 33 allocations)."""
+    if torch.device(device).type != "cpu" or row_wise(m, dtype):
         return torch.empty(m, n, dtype=dtype, device=device)
     mp = gemm_rows_bucket(m)
     buf = torch.empty(mp, n, dtype=dtype, device=device)

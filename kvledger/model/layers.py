@@ -6,7 +6,6 @@ operations and its dtypes (RMSNorm in float32, RoPE tables in float32, rotate-ha
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvledger.model import host_memory, native
-from kvledger.model.gemm_rows import gemm_rows_bucket, rows_view
+from kvledger.model.gemm_rows import ROW_INVARIANT, gemm_rows_bucket, row_wise, rows_view
 
 
 class Linear(nn.Module):
@@ -33,7 +32,6 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN copy of weight, see pack()
         self.small: native.GemmWeight | None = None  # the native few-row kernel's copy, see pack()
-        self.small_rows = 0  # products of at most this many rows take it
 
     @property
     def native_small(self) -> bool:
@@ -68,7 +66,6 @@ class Linear(nn.Module):
             and (self.bias is None or (self.bias.is_contiguous() and self.bias.dtype == dt))
         ):
             self.small = native.pack_weight(self.weight, alloc=host_memory.zeros)
-            self.small_rows = native.small_gemm_max_rows()
         if self.packed is not None and self.small is not None:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
@@ -76,10 +73,7 @@ class Linear(nn.Module):
         """Every row of x takes the native row-wise kernel: few rows, or (bfloat16) all of them
         within ROW_INVARIANT."""
         small = self.small
-        if small is None or x.dim() != 2 or x.dtype != small.dtype:
-            return False
-        m = x.shape[0]
-        return m <= self.small_rows or (x.dtype == torch.bfloat16 and ROW_INVARIANT.rows >= m)
+        return small is not None and x.dim() == 2 and x.dtype == small.dtype and row_wise(x.shape[0], x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         small = self.small
@@ -117,27 +111,6 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-@dataclass
-class _RowInvariant:
-    """bfloat16 batch invariance: the leading `rows` rows of the current forward pass (a step's
-    single-token decodes, or every LM-head row) take the native row-wise GEMM whatever their
-    number, so a decoding request's products never depend on how many others share its step.
-    (oneDNN's bf16 kernels change with the row count and round differently from the native
-    kernel; in float32 the difference stays below the last bits that decide a token, so
-    float32 keeps the plain row-count rule, native.small_gemm_max_rows().)"""
-
-    rows: int = 0
-
-    @contextlib.contextmanager
-    def leading(self, rows: int):
-        before, self.rows = self.rows, rows
-        try:
-            yield
-        finally:
-            self.rows = before
-
-
-ROW_INVARIANT = _RowInvariant()
 # A product of at least OVERWRITE_MIN_ROWS rows whose leading row-wise rows are at most 1/16 of
 # them goes whole through oneDNN, those rows then overwritten in place (see Linear.forward).
 # Measured on the 60M model's four bf16 shapes, summed, against concatenating the two parts
@@ -202,7 +175,7 @@ def warm_up_gemm_shapes(
             shapes[key] = (m, max(rows, shapes.get(key, (m, 0))[1]))
     todo = []
     for lin, rows in shapes.values():
-        lo = lin.small_rows + 1 if lin.native_small else 1
+        lo = native.small_gemm_max_rows() + 1 if lin.native_small else 1
         todo += [(b, lin) for b in sorted({gemm_rows_bucket(r) for r in range(lo, rows + 1)})]
     todo.sort(key=lambda t: t[0])
     spent, done = 0.0, 0
