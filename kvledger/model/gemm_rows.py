@@ -59,8 +59,6 @@ def row_wise(m: int, dtype: torch.dtype) -> bool:
     """Every row of an m-row product takes the native row-wise kernel (for a weight it has
     packed, see Linear._row_wise): few rows (native.small_gemm_max_rows()), or bfloat16 rows
     within ROW_INVARIANT."""
-    from kvledger.model import native  # which imports this module
-
     return m <= native.small_gemm_max_rows() or (dtype == torch.bfloat16 and ROW_INVARIANT.rows >= m)
 
 
@@ -88,3 +86,7 @@ def rows_view(x: torch.Tensor, rows: int) -> torch.Tensor | None:
     if x.untyped_storage().nbytes() < (x.storage_offset() + rows * n) * x.element_size():
         return None
     return x.as_strided((rows, n), (n, 1))
+
+
+# Last: native imports this module (empty_rows), and row_wise only reads native when called.
+from kvledger.model import native  # noqa: E402
