@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvledger.model import native
-from kvledger.model.gemm_rows import empty_rows, rows_view
+from kvledger.model.gemm_rows import empty_rows, row_wise, rows_view
 from kvledger.model.layers import (
     OVERWRITE_MAX_FRACTION,
     OVERWRITE_MIN_ROWS,
@@ -16,6 +16,15 @@ from kvledger.model.layers import (
     _bucketed_rows,
     gemm_rows_bucket,
 )
+
+
+def _onednn_rows(dtype: torch.dtype, at_least: int) -> int:
+    """The fewest rows, at least ``at_least``, of a product that oneDNN takes on padded rows here
+    (the native kernel's share depends on the build: native.small_gemm_whole)."""
+    m = at_least
+    while row_wise(m, dtype) or gemm_rows_bucket(m) == m:
+        m += 1
+    return m
 
 
 def test_buckets_cover_every_row_count_with_bounded_padding_and_few_shapes():
@@ -54,7 +63,7 @@ def test_rows_allocated_with_room_are_padded_in_place(dtype):
     lin.weight.data = torch.randn(48, 64).to(dtype)
     lin.bias.data = torch.randn(48).to(dtype)
     lin.pack()
-    for m in (65, 100, 257, 1025):
+    for m in sorted({_onednn_rows(dtype, a) for a in (65, 257, 1025)}):
         mp = gemm_rows_bucket(m)
         x = empty_rows(m, 64, dtype)
         assert x.shape == (m, 64) and x.is_contiguous()
@@ -73,8 +82,9 @@ def test_rows_allocated_with_room_are_padded_in_place(dtype):
 
 def test_inputs_of_row_wise_products_are_plain_tensors():
     """No bucket rows (nor their zeroing) behind the input of a product the native row-wise
-    kernel takes whole, which pads nothing: few rows, or bfloat16 rows within ROW_INVARIANT
-    (a step's decodes); every other CPU product's input gets them."""
+    kernel takes whole, which pads nothing: few rows, bfloat16 rows within ROW_INVARIANT (a
+    step's decodes), or rows it computes faster than oneDNN its bucket; every other CPU
+    product's input gets them."""
     small = native.small_gemm_max_rows()
     if small == 0:
         pytest.skip("no native library here")
@@ -83,15 +93,34 @@ def test_inputs_of_row_wise_products_are_plain_tensors():
         x = empty_rows(m, 64, dtype)
         return x.untyped_storage().nbytes() > x.nbytes
 
-    m = small + 1 if (small + 1) % 16 else small + 3  # past the kernel's rows, off a bucket
-    more = m + 16
-    assert gemm_rows_bucket(m) > m and gemm_rows_bucket(more) > more
     for dtype in (torch.float32, torch.bfloat16):
-        assert not roomy(small, dtype) and roomy(m, dtype) and roomy(more, dtype)
+        for m in range(1, 2100, 7):
+            assert roomy(m, dtype) == (not row_wise(m, dtype) and gemm_rows_bucket(m) > m), (dtype, m)
+    m = _onednn_rows(torch.bfloat16, small + 1)
+    more = _onednn_rows(torch.bfloat16, m + 1)
+    assert roomy(m, torch.bfloat16) and roomy(more, torch.bfloat16)
     with ROW_INVARIANT.leading(m):
         assert not roomy(m, torch.bfloat16)  # bf16 decodes: row-wise whatever their number
         assert roomy(more, torch.bfloat16)  # beside a prefill: oneDNN takes the rest
-        assert roomy(m, torch.float32)  # float32 keeps the row-count rule
+        f32 = _onednn_rows(torch.float32, m)
+        assert roomy(f32, torch.float32)  # float32 keeps the row-count rule
+
+
+def test_the_native_kernel_takes_products_whole_where_that_beats_the_padding():
+    """Past its few-row range the native kernel takes a product whole on the build where that was
+    measured faster (AVX-512, bf16 with vdpbf16ps): always up to WHOLE_ROWS, above only when the
+    bucket's padding costs more than its slower rows. Elsewhere oneDNN keeps every such product."""
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no native library here")
+    for dtype in (torch.float32, torch.bfloat16):
+        on = lib.vector_width == 16 and (dtype == torch.float32 or lib.bf16_packed)
+        top = native.WHOLE_ROWS[dtype]
+        assert native.small_gemm_whole(top, top, dtype) == on  # unpadded, still native
+        assert native.small_gemm_whole(1025, gemm_rows_bucket(1025), dtype) == on  # 12 % padding
+        assert not native.small_gemm_whole(2040, gemm_rows_bucket(2040), dtype)  # 0.4 %
+        assert not native.small_gemm_whole(2048, 2048, dtype)
+        assert row_wise(top, dtype) == (on or top <= native.small_gemm_max_rows())
 
 
 def test_rows_view_declines_what_it_cannot_extend():
@@ -108,7 +137,7 @@ def test_rows_view_declines_what_it_cannot_extend():
 def test_the_kernels_feeding_a_gemm_leave_room_for_its_padding(dtype):
     """RMSNorm and SiLU-and-mul outputs carry their bucket's rows, so the projections after them
     copy nothing."""
-    m = 300
+    m = _onednn_rows(dtype, 257)
     mp = gemm_rows_bucket(m)
     x = torch.randn(m, 64).to(dtype)
     y = native.rms_norm(x, torch.ones(64, dtype=dtype), 1e-5)
@@ -130,7 +159,7 @@ def _bf16_linear(k: int, n: int) -> Linear:
     return lin
 
 
-@pytest.mark.parametrize(("m", "n"), [(70, 7), (300, 7), (1100, 7), (1100, 100), (2048, 7)])
+@pytest.mark.parametrize(("m", "n"), [(70, 7), (300, 7), (620, 7), (1100, 7), (1100, 100), (2048, 7)])
 def test_bf16_leading_rows_are_row_wise_on_both_split_paths(m, n, monkeypatch):
     """A bf16 product whose leading `n` rows are decodes (ROW_INVARIANT): those rows come from
     the native row-wise kernel whatever the rest (batch invariance), the rest from oneDNN, on
@@ -146,13 +175,18 @@ def test_bf16_leading_rows_are_row_wise_on_both_split_paths(m, n, monkeypatch):
     want = x.double() @ ref_w.T + ref_b
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=0.25)
     # Which kernel made which rows: oneDNN's results marked (+ 1024) must survive exactly in the
-    # prefill rows and nowhere in the decode rows (here the two kernels agree to the bit).
-    overwrite = m >= OVERWRITE_MIN_ROWS and n * OVERWRITE_MAX_FRACTION <= m
-    assert overwrite == (m >= 1100 and n == 7)
+    # prefill rows and nowhere in the decode rows (here the two kernels agree to the bit). Where
+    # the native kernel takes the whole product (native.small_gemm_whole), oneDNN makes none.
+    whole = row_wise(m, torch.bfloat16)
+    overwrite = not whole and m >= OVERWRITE_MIN_ROWS and n * OVERWRITE_MAX_FRACTION <= m
+    assert overwrite == (not whole and m >= 1100 and n == 7)
     seen = []
     monkeypatch.setattr(lin, "_big", lambda t: seen.append(t.shape[0]) or Linear._big(lin, t) + 1024)
     with ROW_INVARIANT.leading(n):
         marked = lin(x)
-    assert seen == [m if overwrite else m - n]
     assert torch.equal(marked[:n], got[:n])
+    if whole:
+        assert seen == [] and torch.equal(marked, native.small_gemm(x, lin.small, lin.bias))
+        return
+    assert seen == [m if overwrite else m - n]
     assert torch.equal(marked[n:], got[n:] + 1024)

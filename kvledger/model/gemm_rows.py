@@ -57,9 +57,14 @@ ROW_INVARIANT = _RowInvariant()
 
 def row_wise(m: int, dtype: torch.dtype) -> bool:
     """Every row of an m-row product takes the native row-wise kernel (for a weight it has
-    packed, see Linear._row_wise): few rows (native.small_gemm_max_rows()), or bfloat16 rows
-    within ROW_INVARIANT."""
-    return m <= native.small_gemm_max_rows() or (dtype == torch.bfloat16 and ROW_INVARIANT.rows >= m)
+    packed, see Linear._row_wise): few rows (native.small_gemm_max_rows()), bfloat16 rows within
+    ROW_INVARIANT, or rows it computes faster than oneDNN computes their bucket
+    (native.small_gemm_whole)."""
+    return (
+        m <= native.small_gemm_max_rows()
+        or (dtype == torch.bfloat16 and ROW_INVARIANT.rows >= m)
+        or native.small_gemm_whole(m, gemm_rows_bucket(m), dtype)
+    )
 
 
 def empty_rows(m: int, n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -162,7 +162,8 @@ def warm_up_gemm_shapes(
     (~0.15 s): small models, where the cache dwarfs the weights, are warmed completely; large
     ones warm their common sizes, and the rest of their cache stays small next to their weights.
     Layer weights see up to ``max_rows`` rows (a step's token budget), the LM head ``head_rows``
-    (one per sampled request). Returns (GEMMs run, of how many shapes in all).
+    (one per sampled request); row counts the native kernel takes (row_wise) need no primitive.
+    Returns (GEMMs run, of how many shapes in all).
     """
     head = model.head
     shapes: dict[tuple, tuple[Linear, int]] = {}
@@ -175,8 +176,9 @@ def warm_up_gemm_shapes(
             shapes[key] = (m, max(rows, shapes.get(key, (m, 0))[1]))
     todo = []
     for lin, rows in shapes.values():
-        lo = native.small_gemm_max_rows() + 1 if lin.native_small else 1
-        todo += [(b, lin) for b in sorted({gemm_rows_bucket(r) for r in range(lo, rows + 1)})]
+        dt = lin.weight.dtype
+        big = (r for r in range(1, rows + 1) if not (lin.native_small and row_wise(r, dt)))
+        todo += [(b, lin) for b in sorted({gemm_rows_bucket(r) for r in big})]
     todo.sort(key=lambda t: t[0])
     spent, done = 0.0, 0
     with torch.inference_mode():
