@@ -121,6 +121,7 @@ def test_the_native_kernel_takes_products_whole_where_that_beats_the_padding():
         assert not native.small_gemm_whole(2040, gemm_rows_bucket(2040), dtype)  # 0.4 %
         assert not native.small_gemm_whole(2048, 2048, dtype)
         assert row_wise(top, dtype) == (on or top <= native.small_gemm_max_rows())
+    assert not native.small_gemm_whole(1025, gemm_rows_bucket(1025), torch.float16)  # not its dtype
 
 
 def test_rows_view_declines_what_it_cannot_extend():

@@ -77,9 +77,11 @@ WHOLE_ROW_COST = 1.06  # past them, when rows x this is under the bucket's rows
 def small_gemm_whole(m: int, padded: int, dtype: torch.dtype) -> bool:
     """A product of m rows (oneDNN would run ``padded``) is faster in the native kernel whole."""
     lib = library()
-    if lib is None or lib.vector_width != 16 or (dtype == torch.bfloat16 and not lib.bf16_packed):
+    if lib is None or lib.vector_width != 16 or dtype not in WHOLE_ROWS:
         return False
-    return m <= WHOLE_ROWS.get(dtype, 0) or m * WHOLE_ROW_COST < padded
+    if dtype == torch.bfloat16 and not lib.bf16_packed:
+        return False
+    return m <= WHOLE_ROWS[dtype] or m * WHOLE_ROW_COST < padded
 
 
 # Element codes of csrc/simd.h.
