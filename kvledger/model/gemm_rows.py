@@ -39,7 +39,7 @@ class _RowInvariant:
     number, so a decoding request's products never depend on how many others share its step.
     (oneDNN's bf16 kernels change with the row count and round differently from the native
     kernel; in float32 the difference stays below the last bits that decide a token, so
-    float32 keeps the plain row-count rule, native.small_gemm_max_rows().)"""
+    float32 follows row_wise's other rules only.)"""
 
     rows: int = 0
 

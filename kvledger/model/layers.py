@@ -70,8 +70,7 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def _row_wise(self, x: torch.Tensor) -> bool:
-        """Every row of x takes the native row-wise kernel: few rows, or (bfloat16) all of them
-        within ROW_INVARIANT."""
+        """Every row of x takes the native row-wise kernel (gemm_rows.row_wise)."""
         small = self.small
         return small is not None and x.dim() == 2 and x.dtype == small.dtype and row_wise(x.shape[0], x.dtype)
 

@@ -63,13 +63,15 @@ def small_gemm_max_rows() -> int:
     if lib is None:
         return 0
     return SMALL_GEMM_MAX_ROWS if lib.vector_width == 16 else SMALL_GEMM_MAX_ROWS_AVX2
+
+
 # Past its few-row range the native kernel also takes a product whole where that beats oneDNN on
 # the bucket's padded rows (gemm_rows.row_wise). Measured on Zen 4 (the AVX-512 build with
 # vdpbf16ps, the 60M model's four layer weights, docs/benchmarks.md issue 24 session 14): per row
 # it takes 0.87-0.99x oneDNN's time up to 1,024 rows in float32 and 1.02-1.05x above, in bf16
 # 1.01-1.08x; a bf16 mixed step all through it also stops computing its decode rows twice. Whole
-# steps of 207-362 rows took 0.88-0.93x the time in both dtypes. Other builds keep oneDNN past
-# small_gemm_max_rows() (not measured).
+# steps of 263-1,300 rows took 0.88-0.93x the time in float32, 0.93-0.98x in bf16 (beside only
+# seven decodes 0.90-1.02x). Other builds keep oneDNN past small_gemm_max_rows() (not measured).
 WHOLE_ROWS = {torch.float32: 1024, torch.bfloat16: 512}  # up to these rows, always
 WHOLE_ROW_COST = 1.06  # past them, when rows x this is under the bucket's rows
 
