@@ -196,3 +196,21 @@ def test_half_the_clients_hang_up_early_without_leaking(server, reference):
     assert blocks == 0 and led["used_blocks"] == 0 and led["requests"] == {}
     after = server.metrics()["kvledger:request_success_total{finished_reason=abort}"]
     assert after - before == NUM_CLIENTS // 2  # each hang-up was aborted, none ran to the end
+
+
+def test_the_front_end_runs_on_uvloop_and_httptools():
+    """`kvledger serve` leaves uvicorn's loop and HTTP parser on "auto", which take uvloop and
+    httptools when installed, as in vLLM (uvicorn[standard]). They are dependencies because
+    they cut the front end's CPU per streamed token by ~30 % (docs/benchmarks.md, issue 24
+    session 15): without them uvicorn silently falls back to asyncio's loop and h11."""
+    import uvicorn
+    import uvloop
+
+    config = uvicorn.Config(app=lambda scope, receive, send: None)
+    config.load()
+    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
+    loop = config.get_loop_factory()()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
