@@ -602,6 +602,65 @@ def print_medians(report: dict[str, Any]) -> None:
             )
 
 
+HIGHER_IS_BETTER = {"tok_per_s"}
+
+
+def paired(report: dict[str, Any], base: str = "vllm") -> dict[str, dict[int, dict[str, Any]]]:
+    """Per engine and concurrency, each figure's ratio to ``base``'s in the same repeat (the
+    same workload, run back to back under --interleave): the median ratio and in how many
+    repeats the engine did better. Host noise moves both servers of a repeat together, so
+    this shows a consistent difference that the medians of each engine's own figures can hide
+    (or invent)."""
+
+    def by_key(runs: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+        return {(r["concurrency"], r["repeat"]): r for r in runs}
+
+    if base not in report:
+        return {}
+    ref = by_key(report[base]["runs"])
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for e, rep in report.items():
+        if e == base:
+            continue
+        per_c: dict[int, dict[str, list[float]]] = {}
+        for key, r in by_key(rep["runs"]).items():
+            b = ref.get(key)
+            if b is None:
+                continue
+            for k in MEDIAN_KEYS:
+                if r[k] is not None and b[k]:
+                    per_c.setdefault(key[0], {}).setdefault(k, []).append(r[k] / b[k])
+        out[e] = {
+            c: {
+                k: {
+                    "median_ratio": statistics.median(rs),
+                    "better": sum(x > 1 if k in HIGHER_IS_BETTER else x < 1 for x in rs),
+                    "pairs": len(rs),
+                }
+                for k, rs in ratios.items()
+            }
+            for c, ratios in per_c.items()
+        }
+    return out
+
+
+def print_paired(report: dict[str, Any], base: str = "vllm") -> None:
+    """The paired table: each figure as the median of its per-repeat ratios to ``base``."""
+    pr = paired(report, base)
+    if not pr:
+        return
+    print(f"\nper repeat, paired with {base} (median of the ratios; repeats where better):")
+    print("| concurrency | engine | tok/s | TTFT p50 | TTFT p99 | inter-token p50 | inter-token p99 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for e, by_c in pr.items():
+        for c in sorted(by_c):
+            cells = [
+                f"{v['median_ratio']:.3f}x ({v['better']}/{v['pairs']})"
+                for v in (by_c[c][k] for k in MEDIAN_KEYS if k in by_c[c])
+            ]
+            print(f"| {c} | {e} | " + " | ".join(cells) + " |")
+
+
 def start_profile(
     server: Server, a: argparse.Namespace, n: int, c: int, rep: int
 ) -> subprocess.Popen:
@@ -773,6 +832,7 @@ def main() -> None:
         print_table(tok, report)
         if a.repeats > 1:
             print_medians(report)
+            print_paired(report)
     save_json(full, Path(a.out_dir) / "results.json")
     print(f"\nraw results: {Path(a.out_dir) / 'results.json'}")
 

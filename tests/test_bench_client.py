@@ -20,7 +20,9 @@ from benchmarks.vs_vllm_serve import (
     format_steps,
     kvledger_server,
     medians,
+    paired,
     print_medians,
+    print_paired,
     serve_interleaved,
     step_summary,
 )
@@ -125,7 +127,8 @@ def test_kvledger_server_command_builds_from_either_benchmarks_arguments(tmp_pat
 def test_interleaved_servers_take_turns_and_their_medians_are_reported(tmp_path, capsys):
     """--interleave: both servers up at once, each load run on one then the other, the order
     flipped each repeat (so a slow spell of the host falls on both); the same workload per
-    repeat, the same greedy tokens; the medians table is each engine's over its repeats."""
+    repeat, the same greedy tokens; the medians table is each engine's over its repeats, the
+    paired table each figure's median ratio to the other engine's in the same repeat."""
     if not (STORIES / "config.json").exists():
         pytest.skip(f"stories260k not found at {STORIES}")
     a = argparse.Namespace(
@@ -153,3 +156,15 @@ def test_interleaved_servers_take_turns_and_their_medians_are_reported(tmp_path,
     print_medians(report)
     out = capsys.readouterr().out
     assert "| 2 | kvledger | 2 |" in out and "| 2 | kvledger-thread | 2 |" in out
+    # paired: each figure against the base engine's in the same repeat
+    pr = paired(report, base="kvledger-thread")
+    assert list(pr) == ["kvledger"]
+    for k in ("tok_per_s", "ttft_p99_ms", "itl_p50_ms"):
+        ratios = [r1[k] / r2[k] for r1, r2 in zip(one, two, strict=True)]
+        got = pr["kvledger"][2][k]
+        assert got["pairs"] == 2 and got["median_ratio"] == pytest.approx(statistics.median(ratios))
+        wins = sum(x > 1 if k == "tok_per_s" else x < 1 for x in ratios)
+        assert got["better"] == wins
+    print_paired(report, base="kvledger-thread")
+    assert "| 2 | kvledger | " in capsys.readouterr().out
+    assert paired(report) == {}  # no vLLM in this report
