@@ -612,8 +612,8 @@ def paired(report: dict[str, Any], base: str = "vllm") -> dict[str, dict[int, di
     this shows a consistent difference that the medians of each engine's own figures can hide
     (or invent)."""
 
-    def by_key(runs: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
-        return {(r["concurrency"], r["repeat"]): r for r in runs}
+    def by_key(runs: list[dict[str, Any]]) -> dict[tuple[int, int, int], dict[str, Any]]:
+        return {(r["requests"], r["concurrency"], r["repeat"]): r for r in runs}
 
     if base not in report:
         return {}
@@ -629,7 +629,7 @@ def paired(report: dict[str, Any], base: str = "vllm") -> dict[str, dict[int, di
                 continue
             for k in MEDIAN_KEYS:
                 if r[k] is not None and b[k]:
-                    per_c.setdefault(key[0], {}).setdefault(k, []).append(r[k] / b[k])
+                    per_c.setdefault(key[1], {}).setdefault(k, []).append(r[k] / b[k])
         out[e] = {
             c: {
                 k: {
