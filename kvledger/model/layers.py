@@ -69,28 +69,32 @@ class Linear(nn.Module):
         if self.packed is not None and self.small is not None:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
+    def _native_takes(self, x: torch.Tensor) -> bool:
+        """The native kernel can take x: a weight it packed, a 2-D input of that dtype."""
+        small = self.small
+        return small is not None and x.dim() == 2 and x.dtype == small.dtype
+
     def _row_wise(self, x: torch.Tensor) -> bool:
         """Every row of x takes the native row-wise kernel (gemm_rows.row_wise)."""
-        small = self.small
-        return small is not None and x.dim() == 2 and x.dtype == small.dtype and row_wise(x.shape[0], x.dtype)
+        return self._native_takes(x) and row_wise(x.shape[0], x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        small = self.small
-        if self._row_wise(x):
+        if not self._native_takes(x):
+            return self._big(x)
+        small, m = self.small, x.shape[0]
+        if row_wise(m, x.dtype):
             return native.small_gemm(x, small, self.bias)
-        if small is not None and x.dim() == 2 and x.dtype == small.dtype:
-            m = x.shape[0]
-            n = ROW_INVARIANT.rows if x.dtype == torch.bfloat16 else 0
-            if n > 0 and m >= OVERWRITE_MIN_ROWS and n * OVERWRITE_MAX_FRACTION <= m:
-                # A few decode rows beside a long prefill: all rows through oneDNN, then the
-                # decode rows overwritten in place by the row-wise kernel. Their products are
-                # computed twice, but the output is not concatenated from two parts (a copy of
-                # every row) nor the prefill rows copied into a padded bucket of their own.
-                y = self._big(x)
-                native.small_gemm(x[:n], small, self.bias, out=y[:n])
-                return y
-            if n > 0:  # the leading decode rows row-wise, the prefill rows through oneDNN
-                return torch.cat([native.small_gemm(x[:n], small, self.bias), self._big(x[n:])])
+        n = ROW_INVARIANT.rows if x.dtype == torch.bfloat16 else 0
+        if n > 0 and m >= OVERWRITE_MIN_ROWS and n * OVERWRITE_MAX_FRACTION <= m:
+            # A few decode rows beside a long prefill: all rows through oneDNN, then the
+            # decode rows overwritten in place by the row-wise kernel. Their products are
+            # computed twice, but the output is not concatenated from two parts (a copy of
+            # every row) nor the prefill rows copied into a padded bucket of their own.
+            y = self._big(x)
+            native.small_gemm(x[:n], small, self.bias, out=y[:n])
+            return y
+        if n > 0:  # the leading decode rows row-wise, the prefill rows through oneDNN
+            return torch.cat([native.small_gemm(x[:n], small, self.bias), self._big(x[n:])])
         return self._big(x)
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
