@@ -419,6 +419,25 @@ def print_header(title: str) -> None:
     )
 
 
+def interleaved_ms(calls: dict[str, Any], reps: int, warmup: int = 3) -> dict[str, float]:
+    """Median milliseconds per call of each ``fn(i)`` in ``calls``, the calls taking turns (after
+    each has run ``warmup`` times), so that a slower spell of a shared host falls on all of them;
+    a median, because a mean is dominated by the calls that lost their core to another process."""
+    import statistics
+    import time
+
+    for fn in calls.values():
+        for i in range(warmup):
+            fn(i)
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for i in range(reps):
+        for k, fn in calls.items():
+            t = time.perf_counter()
+            fn(i)
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
 def fmt(x: float | None, spec: str = ".2f") -> str:
     """Format a number or show 'n/a'."""
     return "n/a" if x is None else format(x, spec)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.common import ensure_model, print_header
+from benchmarks.common import ensure_model, interleaved_ms, print_header
 from kvledger.model import host_memory, native
 from kvledger.model.gemm_rows import gemm_rows_bucket
 
@@ -28,18 +28,6 @@ SHAPES = {"qkv": (768, 512), "o": (512, 512), "gate_up": (3584, 512), "down": (5
 # (running decodes, prompt lengths) of the steps timed: the serving loads' common mixed steps,
 # fresh prompt bursts, and a full 2,048-row budget.
 STEPS = [(7, [256]), (62, [300]), (60, [1000]), (0, [130] * 10), (0, [160] * 8), (56, [142] * 14)]
-
-
-def _alternated(calls: dict, reps: int) -> dict[str, float]:
-    for fn in calls.values():
-        fn()
-    times: dict = {k: [] for k in calls}
-    for _ in range(reps):
-        for k, fn in calls.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def kernels(dtype: torch.dtype, rows: list[int]) -> None:
@@ -54,12 +42,13 @@ def kernels(dtype: torch.dtype, rows: list[int]) -> None:
         for name, (_, k) in SHAPES.items():
             xp = torch.randn(mp, k).to(dtype)
             gw, pw = weights[name]
-            t = _alternated(
+            t = interleaved_ms(
                 {
-                    "native": lambda x=xp[:m], gw=gw: native.small_gemm(x, gw, None),
-                    "oneDNN": lambda xp=xp, pw=pw: torch.ops.mkldnn._linear_pointwise(xp, pw, None, "none", [], ""),
+                    "native": lambda i, x=xp[:m], gw=gw: native.small_gemm(x, gw, None),
+                    "oneDNN": lambda i, xp=xp, pw=pw: torch.ops.mkldnn._linear_pointwise(xp, pw, None, "none", [], ""),
                 },
                 10,
+                warmup=1,
             )
             for a in total:
                 total[a] += t[a]

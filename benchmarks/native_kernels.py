@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import print_header
+from benchmarks.common import interleaved_ms, print_header
 from kvledger.model import host_memory, native
 from kvledger.model.kv_cache import KVCachePool, PagedKVCache
 from kvledger.model.layers import apply_rotary
@@ -30,9 +28,8 @@ L3_BYTES = 96 << 20  # cycle through at least this much data per measurement
 
 
 def timeit(fn, reps: int) -> float:
-    """Median milliseconds per call: on a shared machine a mean is dominated by the calls that
-    lost their core to another process; the median is the kernel's own time."""
-    return _interleaved({"": fn}, reps)[""]
+    """Median milliseconds per call of fn(i) (common.interleaved_ms)."""
+    return interleaved_ms({"": fn}, reps)[""]
 
 
 def row(name: str, ours: float, peer: float, peer_name: str) -> None:
@@ -71,26 +68,12 @@ def paged_decode(dtype: torch.dtype) -> None:
         # The formats' ratios from calls interleaved one by one, so that a slower spell of this
         # shared host falls on every format alike (the medians above are timed one case after
         # another, minutes apart by the last format).
-        times = _interleaved(calls, 60)
+        times = interleaved_ms(calls, 60)
         for fmt in fmts[1:]:
             print(
                 f"{fmt} vs {dtype} KV, {batch} x 1,000 tokens (interleaved): native {times[fmt]:.3f} vs "
                 f"{times['auto']:.3f} ms = {times['auto'] / times[fmt]:.2f}x faster"
             )
-
-
-def _interleaved(calls: dict, reps: int) -> dict:
-    """Median ms of each call (see timeit), the calls taking turns (after each has run 3 times)."""
-    for fn in calls.values():
-        for i in range(3):
-            fn(i)
-    times: dict = {k: [] for k in calls}
-    for i in range(reps):
-        for k, fn in calls.items():
-            t = time.perf_counter()
-            fn(i)
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def _layer_cache(fmt: str, nblocks: int, bs: int, kv_heads: int, d: int, dtype: torch.dtype, g):
