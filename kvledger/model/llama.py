@@ -21,6 +21,7 @@ from kvledger.model import native
 from kvledger.model.attention.backend import AttentionBackend
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
+from kvledger.model.fused_layer import FusedLayers
 from kvledger.model.kv_cache import LayerKVCache
 from kvledger.model.layers import (
     ROW_INVARIANT,
@@ -238,6 +239,8 @@ class LlamaForCausalLM(nn.Module):
         # Tensor parallelism: joins the ranks' vocabulary slices of the logits
         # (kvledger.distributed.sharding); None on one device.
         self.__dict__["vocab_gather"] = None
+        # Each layer as one native call where a step allows (fused_layer); made by pack_linears().
+        self.__dict__["fused_layers"] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -279,6 +282,10 @@ class LlamaForCausalLM(nn.Module):
         decodes = next((i for i, n in enumerate(lens) if n != 1), len(lens))
         per_layer = attn_metadata.per_layer or [attn_metadata] * len(kv_caches)
         with ROW_INVARIANT.leading(decodes):
+            fused = self.fused_layers
+            out = None if fused is None else fused.run(h, rope, attn_metadata, kv_caches, backend)
+            if out is not None:
+                return self.model.norm(out)
             for layer, kv_cache, meta in zip(self.model.layers, kv_caches, per_layer, strict=True):
                 r = local_rope if layer.self_attn.local_rope else rope
                 h = layer(h, r, meta, kv_cache, backend)
@@ -326,3 +333,4 @@ class LlamaForCausalLM(nn.Module):
                     head.weight = emb.weight
             # Not registered as a submodule: the tied weight must not appear twice in state_dict.
             self.__dict__["tied_head"] = head
+        self.__dict__["fused_layers"] = FusedLayers.build(self)

@@ -240,6 +240,9 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.kvl_silu_mul, lib.kvl_silu_mul_bf16):
         fn.argtypes = [ptr, ptr, i64, i64, c_int]
     lib.kvl_write_kv.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, c_int]
+    for fn in (lib.kvl_add_rms_norm, lib.kvl_add_rms_norm_bf16):
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, c_float, c_int]
+    lib.kvl_decoder_layer.argtypes = [ptr, ptr, ptr]  # structs of kvledger.model.fused_layer
     lib.kvl_quantize_write.argtypes = [ptr, ptr, i64, c_int, ptr, i64, i64, i64, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
     lib.kvl_masked_argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, c_int]
     lib.kvl_masked_argmax.restype = c_int
@@ -249,7 +252,8 @@ def library() -> ctypes.CDLL | None:
                lib.kvl_small_gemm_bf16_packed_f32out, lib.kvl_pack_weight, lib.kvl_bf16_packed_available,
                lib.kvl_paged_decode, lib.kvl_paged_prefill, lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16,
                lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul, lib.kvl_silu_mul_bf16,
-               lib.kvl_quantize_write, lib.kvl_write_kv):
+               lib.kvl_quantize_write, lib.kvl_write_kv, lib.kvl_add_rms_norm, lib.kvl_add_rms_norm_bf16,
+               lib.kvl_decoder_layer):
         fn.restype = c_int
     lib.isa = isa
     lib.bf16_packed = bool(lib.kvl_bf16_packed_available())

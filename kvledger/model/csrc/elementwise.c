@@ -54,23 +54,41 @@ int kvl_rope_inplace(float *x, int64_t rows, int64_t x_stride, int64_t num_heads
     return 0;
 }
 
+/* One row of kvl_rms_norm (shared with kvl_add_rms_norm, so both give the same bits). */
+static inline void rms_row(const float *xr, const float *w, float *yr, int64_t n, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 v = _mm256_loadu_ps(xr + i);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    float var = hsum8(acc) / (float)n;
+    __m256 inv = _mm256_set1_ps(1.0f / __builtin_sqrtf(var + eps));
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), inv)));
+}
+
 /* y[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) for contiguous rows of n floats. */
 int kvl_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps,
                  int num_threads) {
     if (n % 8 != 0 || rows < 0) return -1;
 #pragma omp parallel for num_threads(num_threads) if (rows * n >= PAR_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++) rms_row(x + r * n, w, y + r * n, n, eps);
+    return 0;
+}
+
+/* The residual add of a decoder layer and the RMSNorm after it, in one pass over each row:
+ * h[r] += d[r] in place (torch's `residual + h`), then, when w is not NULL, y[r] = rms_norm(h[r])
+ * exactly as kvl_rms_norm computes it (the row still in L1). */
+int kvl_add_rms_norm(float *h, const float *d, const float *w, float *y, int64_t rows, int64_t n, float eps,
+                     int num_threads) {
+    if (n % 8 != 0 || rows < 0) return -1;
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= PAR_MIN_FLOATS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        float *yr = y + r * n;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < n; i += 8) {
-            __m256 v = _mm256_loadu_ps(xr + i);
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
-        }
-        float var = hsum8(acc) / (float)n;
-        __m256 inv = _mm256_set1_ps(1.0f / __builtin_sqrtf(var + eps));
+        float *hr = h + r * n;
+        const float *dr = d + r * n;
         for (int64_t i = 0; i < n; i += 8)
-            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), inv)));
+            _mm256_storeu_ps(hr + i, _mm256_add_ps(_mm256_loadu_ps(hr + i), _mm256_loadu_ps(dr + i)));
+        if (w) rms_row(hr, w, y + r * n, n, eps);
     }
     return 0;
 }
@@ -125,22 +143,36 @@ int kvl_rope_inplace_bf16(uint16_t *x, int64_t rows, int64_t x_stride, int64_t n
     return 0;
 }
 
+static inline void rms_row_bf16(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int64_t n, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 v = load8_bf16(xr + i);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    float var = hsum8(acc) / (float)n;
+    __m256 inv = _mm256_set1_ps(1.0f / __builtin_sqrtf(var + eps));
+    for (int64_t i = 0; i < n; i += 8)
+        store8_bf16(yr + i, _mm256_mul_ps(load8_bf16(w + i), round8_bf16(_mm256_mul_ps(load8_bf16(xr + i), inv))));
+}
+
 int kvl_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
                       float eps, int num_threads) {
     if (n % 8 != 0 || rows < 0) return -1;
 #pragma omp parallel for num_threads(num_threads) if (rows * n >= PAR_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++) rms_row_bf16(x + r * n, w, y + r * n, n, eps);
+    return 0;
+}
+
+/* h[r] += d[r], the sum rounded to bfloat16 (a torch bf16 add), then the RMSNorm when w is set. */
+int kvl_add_rms_norm_bf16(uint16_t *h, const uint16_t *d, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
+                          float eps, int num_threads) {
+    if (n % 8 != 0 || rows < 0) return -1;
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= PAR_MIN_FLOATS)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * n;
-        uint16_t *yr = y + r * n;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < n; i += 8) {
-            __m256 v = load8_bf16(xr + i);
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
-        }
-        float var = hsum8(acc) / (float)n;
-        __m256 inv = _mm256_set1_ps(1.0f / __builtin_sqrtf(var + eps));
-        for (int64_t i = 0; i < n; i += 8)
-            store8_bf16(yr + i, _mm256_mul_ps(load8_bf16(w + i), round8_bf16(_mm256_mul_ps(load8_bf16(xr + i), inv))));
+        uint16_t *hr = h + r * n;
+        const uint16_t *dr = d + r * n;
+        for (int64_t i = 0; i < n; i += 8) store8_bf16(hr + i, _mm256_add_ps(load8_bf16(hr + i), load8_bf16(dr + i)));
+        if (w) rms_row_bf16(hr, w, y + r * n, n, eps);
     }
     return 0;
 }

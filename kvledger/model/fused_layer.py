@@ -1,0 +1,214 @@
+"""A step's decoder layers as one native call each (csrc/decoder_layer.c), where the step allows.
+
+Per layer the modules call ~10 native kernels and two torch adds, and between them run Python:
+module calls, argument checks, allocations, ~15 us a kernel, paid with the interpreter's data
+evicted by the weights each kernel streams. That was 4-6 ms of a 64-decode step of the 60M
+model (docs/benchmarks.md, issue 24 session 16). The native layer calls the same kernels in the
+same order on the same arguments, so its results are the modules' bit for bit; it only runs
+where every one of them would have run natively:
+
+- the model (checked once, after its weights are packed): plain Llama layers (no q/k norms,
+  sandwich norms, norm offsets, soft-capping, sliding windows, partial rotary or MoE), SiLU MLP,
+  every product packed for the native kernel, unsharded;
+- the step: every product takes the row-wise kernel (gemm_rows.row_wise for the step's rows),
+  one KV-cache group, unquantised caches of the model dtype, and attention that is nothing but
+  the native decode and prefill kernels (torch_backend's plan).
+
+Anything else goes through the modules. ``KVLEDGER_FUSED_LAYER=0`` turns it off (tests compare
+the two paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import Structure, c_float, c_int64, c_void_p
+
+import torch
+
+from kvledger.model import native
+from kvledger.model.attention.torch_backend import TorchAttentionBackend
+from kvledger.model.gemm_rows import row_wise
+from kvledger.model.kv_cache import PagedKVCache
+from kvledger.model.layers import GatedMLP, Linear, RMSNorm, RopeStep
+
+ENV = "KVLEDGER_FUSED_LAYER"
+
+
+class _Gemm(Structure):
+    _fields_ = [("w", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("blocked", c_int64)]
+
+
+class _Layer(Structure):
+    _fields_ = [
+        ("norm1", c_void_p), ("norm2", c_void_p),
+        ("qkv", _Gemm), ("o", _Gemm), ("gate_up", _Gemm), ("down", _Gemm),
+        ("k_cache", c_void_p), ("v_cache", c_void_p), ("num_slots", c_int64),
+        ("eps", c_float), ("scale", c_float),
+    ]  # fmt: skip
+
+
+class _Step(Structure):
+    _fields_ = [
+        ("T", c_int64), ("elem", c_int64),
+        ("H", c_int64), ("Hkv", c_int64), ("D", c_int64), ("bs", c_int64), ("inter", c_int64),
+        ("positions", c_void_p), ("slots", c_void_p), ("cos", c_void_p), ("sin", c_void_p),
+        ("nd", c_int64), ("d_stride", c_int64), ("d_rows", c_void_p), ("d_tables", c_void_p),
+        ("d_seq_lens", c_void_p),
+        ("np", c_int64), ("p_stride", c_int64), ("p_row0", c_void_p), ("p_nrows", c_void_p),
+        ("p_tables", c_void_p), ("p_seq_lens", c_void_p),
+        ("threads", c_int64), ("d_threads", c_int64), ("p_threads", c_int64),
+        ("x", c_void_p), ("qkv", c_void_p), ("attn", c_void_p), ("gu", c_void_p), ("act", c_void_p),
+        ("tmp", c_void_p),
+    ]  # fmt: skip
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def _gemm(lin: Linear) -> _Gemm:
+    s = lin.small
+    bias = None if lin.bias is None else lin.bias.data_ptr()
+    return _Gemm(s.data.data_ptr(), bias, s.n, s.k, int(s.blocked))
+
+
+def _plain_linear(lin, dtype: torch.dtype) -> bool:
+    return type(lin) is Linear and lin.small is not None and lin.small.dtype == dtype
+
+
+def _plain_norm(norm, dtype: torch.dtype) -> bool:
+    return type(norm) is RMSNorm and not norm.unit_offset and norm.weight.dtype == dtype
+
+
+class FusedLayers:
+    """The native layer for one model: its per-layer structs, made for the caches they point at."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        cfg = model.config
+        self.dtype = model.dtype
+        self.elem = native.ELEM[self.dtype]
+        self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
+        self.q_size, self.kv_size = self.H * self.D, self.Hkv * self.D
+        self._layers: list[_Layer] = []
+        self._addrs: list[int] = []  # their addresses, what the call takes
+        self._key: tuple[int, ...] = ()
+        self._call = native.library().kvl_decoder_layer
+
+    @classmethod
+    def build(cls, model) -> FusedLayers | None:
+        """The native layer for a model whose weights are packed, or None where it does not apply."""
+        lib = native.library()
+        cfg = model.config
+        dtype = model.dtype
+        if (
+            lib is None
+            or dtype not in (torch.float32, torch.bfloat16)
+            or model.model.norm.weight.device.type != "cpu"
+            or cfg.qk_norm
+            or cfg.sandwich_norms
+            or cfg.norm_unit_offset
+            or cfg.attn_softcap is not None
+            or cfg.layer_types is not None
+            or cfg.num_experts > 0
+            or cfg.hidden_act != "silu"
+            or (cfg.rotary_dim or cfg.head_dim) != cfg.head_dim
+            or cfg.head_dim % 16
+            or cfg.hidden_size % 8
+            or cfg.intermediate_size % 8
+            or model.local_rotary_emb is not None
+            or model.vocab_gather is not None
+        ):
+            return None
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if (
+                type(mlp) is not GatedMLP
+                or mlp.intermediate_size != cfg.intermediate_size
+                or attn.window is not None
+                or attn.num_heads != cfg.num_heads
+                or attn.num_kv_heads != cfg.num_kv_heads
+                or not all(_plain_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+                or not all(_plain_norm(n, dtype) for n in (layer.input_layernorm, layer.post_attention_layernorm))
+            ):
+                return None
+        return cls(model)
+
+    def _layer_structs(self, kv_caches) -> list[int] | None:
+        """The addresses of one struct per layer for these caches (made again when they move), or
+        None where a cache is not a plain one of the model dtype."""
+        key = tuple(c.k.data_ptr() if type(c) is PagedKVCache else 0 for c in kv_caches)
+        if key == self._key:
+            return self._addrs
+        if 0 in key or not all(native.can_paged_decode(c, self.H, self.dtype) for c in kv_caches):
+            return None
+        layers = []
+        for layer, cache in zip(self.model.model.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            num_blocks, block_size, hkv, d = cache.k.shape
+            if (hkv, d) != (self.Hkv, self.D) or not cache.v.is_contiguous():
+                return None
+            layers.append(_Layer(
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                _gemm(attn.qkv_proj), _gemm(attn.o_proj), _gemm(mlp.gate_up_proj), _gemm(mlp.down_proj),
+                cache.k.data_ptr(), cache.v.data_ptr(), num_blocks * block_size,
+                layer.input_layernorm.eps, attn.scale,
+            ))  # fmt: skip
+        self._layers, self._key = layers, key
+        self._addrs = [ctypes.addressof(x) for x in layers]
+        return self._addrs
+
+    def run(self, h: torch.Tensor, rope: RopeStep, meta, kv_caches, backend) -> torch.Tensor | None:
+        """Every layer over h [T, hidden] (updated in place and returned), or None where this
+        step must go through the modules (nothing has been computed then)."""
+        T = h.shape[0]
+        if (
+            not enabled()
+            or rope.tables is None
+            or meta.per_layer is not None
+            or not isinstance(backend, TorchAttentionBackend)
+            or h.dtype != self.dtype
+            or not row_wise(T, self.dtype)
+        ):
+            return None
+        layers = self._layer_structs(kv_caches)
+        if layers is None:
+            return None
+        plan = backend._get_plan(meta, self.dtype, self.kv_size, kv_caches[0], self.H)
+        nd, npf = plan.native_decode, plan.native_prefill
+        if plan.chunks or plan.decode or plan.overlay_dst is not None or (nd is not None and nd.fp_spans is not None):
+            return None
+        slots = meta.slot_mapping
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            return None
+        h = h.contiguous()
+        dt, hidden = self.dtype, self.hidden
+        width = self.q_size + 2 * self.kv_size
+        scratch = [torch.empty(T, n, dtype=dt) for n in (hidden, width, self.q_size, 2 * self.inter, self.inter, hidden)]
+        bytes_per_token = self.kv_size * 2 * h.element_size()
+        positions = rope.positions
+        step = _Step(
+            T, self.elem, self.H, self.Hkv, self.D, kv_caches[0].block_size, self.inter,
+            positions.data_ptr(), slots.data_ptr(), rope.tables.cos_cache.data_ptr(),
+            rope.tables.sin_cache.data_ptr(),
+        )  # fmt: skip
+        if nd is not None:
+            step.nd, step.d_stride = nd.rows.shape[0], nd.block_tables.stride(0)
+            step.d_rows, step.d_tables, step.d_seq_lens = nd.rows.data_ptr(), nd.block_tables.data_ptr(), nd.seq_lens.data_ptr()
+            step.d_threads = native._attention_threads(nd.kv_tokens, bytes_per_token)
+        if npf is not None:
+            step.np, step.p_stride = npf.row0.shape[0], npf.block_tables.stride(0)
+            step.p_row0, step.p_nrows = npf.row0.data_ptr(), npf.nrows.data_ptr()
+            step.p_tables, step.p_seq_lens = npf.block_tables.data_ptr(), npf.seq_lens.data_ptr()
+            step.p_threads = native._attention_threads(npf.kv_tokens, bytes_per_token)
+        step.threads = torch.get_num_threads()
+        step.x, step.qkv, step.attn, step.gu, step.act, step.tmp = (t.data_ptr() for t in scratch)
+        hp, sp, call = h.data_ptr(), ctypes.addressof(step), self._call
+        for i, layer in enumerate(layers):
+            rc = call(layer, sp, hp)
+            if rc != 0:
+                raise ValueError(f"decoder layer {i}: native kernel {rc} refused its arguments (rows {T})")
+        return h
+
