@@ -94,7 +94,7 @@ class FusedLayers:
         self.q_size, self.kv_size = self.H * self.D, self.Hkv * self.D
         self._layers: list[_Layer] = []
         self._addrs: list[int] = []  # their addresses, what the call takes
-        self._key: tuple[int, ...] = ()
+        self._key: tuple = ()  # (k, v addresses, blocks) of each layer's cache
         self._call = native.library().kvl_decoder_layer
 
     @classmethod
@@ -139,10 +139,12 @@ class FusedLayers:
     def _layer_structs(self, kv_caches) -> list[int] | None:
         """The addresses of one struct per layer for these caches (made again when they move), or
         None where a cache is not a plain one of the model dtype."""
-        key = tuple(c.k.data_ptr() if type(c) is PagedKVCache else 0 for c in kv_caches)
+        if not all(type(c) is PagedKVCache for c in kv_caches):
+            return None
+        key = tuple((c.k.data_ptr(), c.v.data_ptr(), c.k.shape[0]) for c in kv_caches)
         if key == self._key:
             return self._addrs
-        if 0 in key or not all(native.can_paged_decode(c, self.H, self.dtype) for c in kv_caches):
+        if not all(native.can_paged_decode(c, self.H, self.dtype) for c in kv_caches):
             return None
         layers = []
         for layer, cache in zip(self.model.model.layers, kv_caches, strict=True):
@@ -176,19 +178,18 @@ class FusedLayers:
         layers = self._layer_structs(kv_caches)
         if layers is None:
             return None
-        plan = backend._get_plan(meta, self.dtype, self.kv_size, kv_caches[0], self.H)
-        nd, npf = plan.native_decode, plan.native_prefill
-        if plan.chunks or plan.decode or plan.overlay_dst is not None or (nd is not None and nd.fp_spans is not None):
+        calls = backend.native_only(meta, self.dtype, self.kv_size, kv_caches[0], self.H)
+        if calls is None:
             return None
-        slots = meta.slot_mapping
-        if slots.dtype != torch.int64 or not slots.is_contiguous():
+        nd, npf = calls
+        slots, positions = meta.slot_mapping, rope.positions
+        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (slots, positions)):
             return None
         h = h.contiguous()
         dt, hidden = self.dtype, self.hidden
         width = self.q_size + 2 * self.kv_size
         scratch = [torch.empty(T, n, dtype=dt) for n in (hidden, width, self.q_size, 2 * self.inter, self.inter, hidden)]
         bytes_per_token = self.kv_size * 2 * h.element_size()
-        positions = rope.positions
         step = _Step(
             T, self.elem, self.H, self.Hkv, self.D, kv_caches[0].block_size, self.inter,
             positions.data_ptr(), slots.data_ptr(), rope.tables.cos_cache.data_ptr(),
@@ -197,12 +198,12 @@ class FusedLayers:
         if nd is not None:
             step.nd, step.d_stride = nd.rows.shape[0], nd.block_tables.stride(0)
             step.d_rows, step.d_tables, step.d_seq_lens = nd.rows.data_ptr(), nd.block_tables.data_ptr(), nd.seq_lens.data_ptr()
-            step.d_threads = native._attention_threads(nd.kv_tokens, bytes_per_token)
+            step.d_threads = native.attention_threads(nd.kv_tokens, bytes_per_token)
         if npf is not None:
             step.np, step.p_stride = npf.row0.shape[0], npf.block_tables.stride(0)
             step.p_row0, step.p_nrows = npf.row0.data_ptr(), npf.nrows.data_ptr()
             step.p_tables, step.p_seq_lens = npf.block_tables.data_ptr(), npf.seq_lens.data_ptr()
-            step.p_threads = native._attention_threads(npf.kv_tokens, bytes_per_token)
+            step.p_threads = native.attention_threads(npf.kv_tokens, bytes_per_token)
         step.threads = torch.get_num_threads()
         step.x, step.qkv, step.attn, step.gu, step.act, step.tmp = (t.data_ptr() for t in scratch)
         hp, sp, call = h.data_ptr(), ctypes.addressof(step), self._call

@@ -586,7 +586,7 @@ def set_split_threads(n: int) -> None:
     _split_threads = max(0, int(n))
 
 
-def _attention_threads(kv_tokens: int, bytes_per_token: int) -> int:
+def attention_threads(kv_tokens: int, bytes_per_token: int) -> int:
     """Threads for an attention call reading kv_tokens context tokens of bytes_per_token K/V:
     set_split_threads' count from DECODE_SPLIT_BYTES on, else torch's (each work item is one
     thread's, so the result is the same either way)."""
@@ -641,7 +641,7 @@ def paged_decode(
         ks = vs = None
     num_blocks, block_size, num_kv_heads, head_dim = kc.shape
     ov = fp_spans is not None
-    threads = _attention_threads(kv_tokens, num_kv_heads * head_dim * 2 * kc.element_size())
+    threads = attention_threads(kv_tokens, num_kv_heads * head_dim * 2 * kc.element_size())
     rc = library().kvl_paged_decode(
         q.data_ptr(),
         q.stride(0),
@@ -700,7 +700,7 @@ def paged_prefill(
     read in all (the thread rule of paged_decode; the result is the same)."""
     kc, vc = layer_cache.k, layer_cache.v
     _, block_size, num_kv_heads, head_dim = kc.shape
-    threads = _attention_threads(kv_tokens, num_kv_heads * head_dim * 2 * kc.element_size())
+    threads = attention_threads(kv_tokens, num_kv_heads * head_dim * 2 * kc.element_size())
     rc = library().kvl_paged_prefill(
         q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), ELEM[kc.dtype], block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), row0.data_ptr(), nrows.data_ptr(), row0.shape[0],

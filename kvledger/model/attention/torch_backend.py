@@ -249,6 +249,18 @@ class TorchAttentionBackend:
         )
         return o[0].transpose(0, 1).reshape(query_len, num_heads * head_dim)
 
+    def native_only(
+        self, meta: AttentionMetadata, dtype: torch.dtype, kv_width: int, layer_cache: LayerKVCache, num_heads: int
+    ) -> tuple[_NativeDecode | None, _NativePrefill | None] | None:
+        """The step's native decode and prefill calls when its attention is nothing else (no
+        SDPA chunk or group, no full-precision overlay), else None: what the native decoder
+        layer (kvledger.model.fused_layer) can run in their place."""
+        plan = self._get_plan(meta, dtype, kv_width, layer_cache, num_heads)
+        nd = plan.native_decode
+        if plan.chunks or plan.decode or plan.overlay_dst is not None or (nd is not None and nd.fp_spans is not None):
+            return None
+        return nd, plan.native_prefill
+
     def _get_plan(
         self,
         meta: AttentionMetadata,
