@@ -282,13 +282,14 @@ class LlamaForCausalLM(nn.Module):
         decodes = next((i for i, n in enumerate(lens) if n != 1), len(lens))
         per_layer = attn_metadata.per_layer or [attn_metadata] * len(kv_caches)
         with ROW_INVARIANT.leading(decodes):
-            fused = self.fused_layers
+            fused = self.fused_layers  # every layer in one native call each, where the step allows
             out = None if fused is None else fused.run(h, rope, attn_metadata, kv_caches, backend)
             if out is not None:
-                return self.model.norm(out)
-            for layer, kv_cache, meta in zip(self.model.layers, kv_caches, per_layer, strict=True):
-                r = local_rope if layer.self_attn.local_rope else rope
-                h = layer(h, r, meta, kv_cache, backend)
+                h = out
+            else:
+                for layer, kv_cache, meta in zip(self.model.layers, kv_caches, per_layer, strict=True):
+                    r = local_rope if layer.self_attn.local_rope else rope
+                    h = layer(h, r, meta, kv_cache, backend)
         return self.model.norm(h)
 
     @property
