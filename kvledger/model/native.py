@@ -71,8 +71,11 @@ def small_gemm_max_rows() -> int:
 # it takes 0.87-0.99x oneDNN's time up to 1,024 rows in float32 and 1.02-1.05x above, in bf16
 # 1.01-1.08x; a bf16 mixed step all through it also stops computing its decode rows twice. Whole
 # steps of 263-1,300 rows took 0.88-0.93x the time in float32, 0.93-0.98x in bf16 (beside only
-# seven decodes 0.90-1.02x). Other builds keep oneDNN past small_gemm_max_rows() (not measured).
-WHOLE_ROWS = {torch.float32: 1024, torch.bfloat16: 512}  # up to these rows, always
+# seven decodes 0.90-1.02x). bf16 went from 512 to 1,024 rows with the native decoder layer
+# (fused_layer), which takes a step only when all its products are row-wise: whole bf16 steps of
+# 758-1,008 rows beside 8-58 decodes then took 0.88-0.94x the time, a lone 800-token prompt
+# 0.96x (session 16). Other builds keep oneDNN past small_gemm_max_rows() (not measured).
+WHOLE_ROWS = {torch.float32: 1024, torch.bfloat16: 1024}  # up to these rows, always
 WHOLE_ROW_COST = 1.06  # past them, when rows x this is under the bucket's rows
 
 
