@@ -85,7 +85,9 @@ class FusedLayers:
     """The native layer for one model: its per-layer structs, made for the caches they point at."""
 
     def __init__(self, model) -> None:
-        self.model = model
+        # The layers, not the model: the model holds this object, and no cycle should keep its
+        # weights alive past the engine.
+        self.layers = model.model.layers
         cfg = model.config
         self.dtype = model.dtype
         self.elem = native.ELEM[self.dtype]
@@ -147,7 +149,7 @@ class FusedLayers:
         if not all(native.can_paged_decode(c, self.H, self.dtype) for c in kv_caches):
             return None
         layers = []
-        for layer, cache in zip(self.model.model.layers, kv_caches, strict=True):
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             num_blocks, block_size, hkv, d = cache.k.shape
             if (hkv, d) != (self.Hkv, self.D) or not cache.v.is_contiguous():
