@@ -16,32 +16,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "simd.h"
-
-int kvl_rms_norm(const float *, const float *, float *, int64_t, int64_t, float, int);
-int kvl_rms_norm_bf16(const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, float, int);
-int kvl_add_rms_norm(float *, const float *, const float *, float *, int64_t, int64_t, float, int);
-int kvl_add_rms_norm_bf16(uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, float,
-                          int);
-int kvl_small_gemm_packed(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t, int);
-int kvl_small_gemm_bf16_packed(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
-                               int64_t, int);
-int kvl_small_gemm_bf16(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t,
-                        int);
-int kvl_rope_inplace(float *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const float *, const float *, int);
-int kvl_rope_inplace_bf16(uint16_t *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const float *,
-                          const float *, int);
-int kvl_write_kv(const void *, const void *, int64_t, int64_t, const int64_t *, int64_t, int64_t, int64_t, void *,
-                 void *, int);
-int kvl_silu_mul(const float *, float *, int64_t, int64_t, int);
-int kvl_silu_mul_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int);
-int kvl_paged_decode(const void *, int64_t, const void *, const void *, int, int, const uint16_t *,
-                     const uint16_t *, const int64_t *, int64_t, const int64_t *, const int64_t *, int64_t, void *,
-                     int64_t, int, int64_t, int64_t, int64_t, int64_t, float, const int64_t *, const void *,
-                     const void *, int64_t, int64_t, const void *, const void *, int64_t, int);
-int kvl_paged_prefill(const void *, int64_t, const void *, const void *, int, const int64_t *, int64_t,
-                      const int64_t *, const int64_t *, const int64_t *, int64_t, void *, int64_t, int, int64_t,
-                      int64_t, int64_t, int64_t, float, int);
 
 /* A weight as native.GemmWeight holds it: blocked (packed) or row-major [n, k]. */
 typedef struct {

@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "simd.h"
+#include "kernels.h"
 
 #define PAR_MIN_FLOATS (1 << 15) /* below this, threads cost more than they save */
 

@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 int kvl_write_kv(const void *k, const void *v, int64_t src_stride, int64_t es, const int64_t *slots, int64_t T,
                  int64_t row_elems, int64_t num_slots, void *k_cache, void *v_cache, int num_threads) {
     if (T < 0 || row_elems < 1 || (es != 2 && es != 4) || src_stride < row_elems || num_threads < 1) return -1;

@@ -40,6 +40,7 @@
 
 #include "kv_walk.h"
 #include "simd.h"
+#include "kernels.h"
 
 #define MAX_G 16
 #define MAX_D 256

@@ -36,6 +36,7 @@
 
 #include "kv_walk.h"
 #include "simd.h"
+#include "kernels.h"
 
 #define PF_MAX_G 16
 #define PF_MAX_D 256

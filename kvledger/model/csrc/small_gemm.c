@@ -25,6 +25,7 @@
 #include <stdlib.h>
 
 #include "simd.h"
+#include "kernels.h"
 
 /* ---- the blocked layout ------------------------------------------------------------------
  *

@@ -1,0 +1,35 @@
+/* The kernels one source calls from another (decoder_layer.c runs a whole layer through them).
+ * Every source that defines one includes this header too, so the compiler checks that the two
+ * agree (contig_decode.c's rename of kvl_paged_decode applies here as well).
+ */
+#ifndef KVLEDGER_KERNELS_H
+#define KVLEDGER_KERNELS_H
+
+#include <stdint.h>
+
+int kvl_rms_norm(const float *, const float *, float *, int64_t, int64_t, float, int);
+int kvl_rms_norm_bf16(const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, float, int);
+int kvl_add_rms_norm(float *, const float *, const float *, float *, int64_t, int64_t, float, int);
+int kvl_add_rms_norm_bf16(uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, float,
+                          int);
+int kvl_small_gemm_packed(const float *, const float *, const float *, float *, int64_t, int64_t, int64_t, int);
+int kvl_small_gemm_bf16_packed(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
+                               int64_t, int);
+int kvl_small_gemm_bf16(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t,
+                        int);
+int kvl_rope_inplace(float *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const float *, const float *, int);
+int kvl_rope_inplace_bf16(uint16_t *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const float *,
+                          const float *, int);
+int kvl_write_kv(const void *, const void *, int64_t, int64_t, const int64_t *, int64_t, int64_t, int64_t, void *,
+                 void *, int);
+int kvl_silu_mul(const float *, float *, int64_t, int64_t, int);
+int kvl_silu_mul_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int);
+int kvl_paged_decode(const void *, int64_t, const void *, const void *, int, int, const uint16_t *,
+                     const uint16_t *, const int64_t *, int64_t, const int64_t *, const int64_t *, int64_t, void *,
+                     int64_t, int, int64_t, int64_t, int64_t, int64_t, float, const int64_t *, const void *,
+                     const void *, int64_t, int64_t, const void *, const void *, int64_t, int);
+int kvl_paged_prefill(const void *, int64_t, const void *, const void *, int, const int64_t *, int64_t,
+                      const int64_t *, const int64_t *, const int64_t *, int64_t, void *, int64_t, int, int64_t,
+                      int64_t, int64_t, int64_t, float, int);
+
+#endif
