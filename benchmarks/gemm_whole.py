@@ -21,8 +21,9 @@ import time
 import torch
 
 from benchmarks.common import ensure_model, interleaved_ms, print_header
-from kvledger.model import host_memory, native
-from kvledger.model.gemm_rows import gemm_rows_bucket
+from kvledger.kernels import native
+from kvledger.kernels.gemm_rows import gemm_rows_bucket
+from kvledger.storage import host_memory
 
 SHAPES = {"qkv": (768, 512), "o": (512, 512), "gate_up": (3584, 512), "down": (512, 1792)}
 # (running decodes, prompt lengths) of the steps timed: the serving loads' common mixed steps,

@@ -113,7 +113,7 @@ def _twin_step(dev, dtype, kv_dtype, heads, kvh, d, bs, reqs, S=0, R=0, seed=0):
     import torch
 
     from kvledger.model.attention.metadata import AttentionMetadata
-    from kvledger.model.kv_cache import KVCachePool
+    from kvledger.storage.kv_cache import KVCachePool
 
     num_blocks = sum(-(-(c + n) // bs) for c, n in reqs) + 2
     slots_ov = len(reqs) if (S or R) else 0
@@ -320,7 +320,7 @@ def perf(dev, dry: bool) -> None:
 
     from kvledger.model.attention.metadata import AttentionMetadata
     from kvledger.model.attention.triton_backend import TritonAttentionBackend
-    from kvledger.model.kv_cache import KVCachePool
+    from kvledger.storage.kv_cache import KVCachePool
 
     print("\n== 3. random-weight Llama: decode vs HBM roofline, prefill vs bf16 peak")
     model, cfg, dtype = _build_model(dev, dry)
@@ -448,7 +448,7 @@ def _decode_step(torch, model, pool, meta, ids, pos, dev, dry):
 
     if dev.type != "cuda":
         return step
-    from kvledger.core.cuda_graphs import capture
+    from kvledger.worker.cuda_graphs import capture
 
     graph = capture(step, dev)
     return graph.replay
@@ -580,7 +580,7 @@ def _time_calls(fn, arg_list, dev, iters: int) -> float:
         return out
 
     if dev.type == "cuda":
-        from kvledger.core.cuda_graphs import capture
+        from kvledger.worker.cuda_graphs import capture
 
         graph = capture(run, dev)
         t = _time(graph.replay, dev, iters)

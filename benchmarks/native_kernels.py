@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import interleaved_ms, print_header
-from kvledger.model import host_memory, native
-from kvledger.model.kv_cache import KVCachePool, PagedKVCache
+from kvledger.kernels import native
 from kvledger.model.layers import apply_rotary
+from kvledger.storage import host_memory
+from kvledger.storage.kv_cache import KVCachePool, PagedKVCache
 
 L3_BYTES = 96 << 20  # cycle through at least this much data per measurement
 

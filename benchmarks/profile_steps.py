@@ -104,7 +104,7 @@ def main() -> int:
 
 def _install_split_timers(runner, parts, current) -> None:
     """Wrap the native kernels, the attention backend and the runner's phases with timers."""
-    from kvledger.model import native
+    from kvledger.kernels import native
     from kvledger.model.attention import torch_backend
 
     def wrap(owner, name, label):

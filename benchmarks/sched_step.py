@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import torch
 
 from kvledger.config import CacheConfig, SchedulerConfig
-from kvledger.core.model_runner import ModelRunner
 from kvledger.core.request import Request
 from kvledger.core.scheduler import Scheduler
 from kvledger.sampling_params import SamplingParams
+from kvledger.worker.model_runner import ModelRunner
 
 
 def one_size(n: int, context: int, steps: int, block_size: int = 16) -> dict:

@@ -37,10 +37,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import print_header
-from kvledger.model import host_memory, native
+from kvledger.kernels import native
 from kvledger.model.attention import contiguous as C
 from kvledger.model.attention.torch_backend import _MAX_GROUP_BYTES
-from kvledger.model.kv_cache import PagedKVCache
+from kvledger.storage import host_memory
+from kvledger.storage.kv_cache import PagedKVCache
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 BLOCK_SIZES = (1, 16, 32, 128)

@@ -128,7 +128,7 @@ def _control_attention(engine, rows: int, tokens: int):
     pool, filled with small random values before the first request)."""
     import torch
 
-    from kvledger.model import native
+    from kvledger.kernels import native
 
     caches = engine.runner.layer_caches
     num_blocks, block_size, num_kv_heads, head_dim = caches[0].k.shape

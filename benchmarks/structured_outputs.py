@@ -69,7 +69,7 @@ def bench_mask(steps: int) -> None:
     import torch
     import xgrammar as xgr
 
-    from kvledger.model import native
+    from kvledger.kernels import native
     from kvledger.structured.state import (
         GrammarState,
         MaskBuffer,

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     fingerprint = {"model": str(model), "workload_sha": workload_sha(wl), "dtype": a.dtype}
 
     print_header("kvledger vs vLLM CPU")
-    from kvledger.model import native
+    from kvledger.kernels import native
 
     print(f"model   : {model} ({model_num_params(model) or '?'} params, {a.dtype})")
     print(f"kvledger: native kernels {native.selected_isa() or 'off (torch)'}, kv_cache_dtype {a.kv_cache_dtype}")

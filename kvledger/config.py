@@ -110,7 +110,7 @@ class EngineConfig:
     # that leave them unset (as vLLM); "vllm": ignore the file (SamplingParams' defaults).
     generation_config: str = "auto"
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
-    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (see core/cuda_graphs.py)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (see worker/cuda_graphs.py)
     # CPU: create oneDNN's primitive for every GEMM shape a step can bring at start-up
     # (model/layers.py warm_up_gemm_shapes), so a long-running server's memory is at its plateau
     # from the first request. `kvledger serve` turns it on; offline LLM() skips the ~1 s.

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from kvledger.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvledger.core.engine import LLMEngine
-from kvledger.core.gc_heap import deferred_full_collections
+from kvledger.engine.gc_heap import deferred_full_collections
 from kvledger.errors import ConfigError, InvalidRequestError
 from kvledger.inputs import PromptType
 from kvledger.ledger.snapshot import LedgerSnapshot
@@ -35,8 +35,8 @@ _warned: set[str] = set()
 
 def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
     """Split flat keyword options (vLLM style) into the three config dataclasses."""
+    from kvledger.hf.hub import resolve_model_path
     from kvledger.model.default import resolve_named_model
-    from kvledger.model.hub import resolve_model_path
 
     revision, download_dir = kwargs.pop("revision", None), kwargs.pop("download_dir", None)
     tokenizer_revision = kwargs.pop("tokenizer_revision", None) or revision
@@ -203,7 +203,7 @@ class LLM:
             raise ConfigError(
                 f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
             )
-        with deferred_full_collections():  # full GC walks wait for the return (core/gc_heap.py)
+        with deferred_full_collections():  # full GC walks wait for the return (engine/gc_heap.py)
             return self._submit_and_step(prompts, sampling_params, use_tqdm)
 
     def _submit_and_step(

@@ -27,8 +27,8 @@ from transformers import (
 )
 
 from kvledger.model.attention.metadata import AttentionMetadata
-from kvledger.model.kv_cache import KVCachePool
 from kvledger.model.loader import LoadedModel
+from kvledger.storage.kv_cache import KVCachePool
 
 _COMMON = dict(
     vocab_size=97,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger.model import native
+from kvledger.kernels import native
 from kvledger.model.attention import contiguous as C
-from kvledger.model.kv_cache import PagedKVCache
+from kvledger.storage.kv_cache import PagedKVCache
 
 
 def _case(

@@ -1,12 +1,12 @@
-"""The engine core's torch thread count when the user gives none (kvledger/core/core_threads.py)."""
+"""The engine core's torch thread count when the user gives none (kvledger/engine/core_threads.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvledger.core import core_threads
-from kvledger.model import native
+from kvledger.engine import core_threads
+from kvledger.kernels import native
 from kvledger.model.loader import load_model
 
 

@@ -11,12 +11,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from kvledger import LLM, SamplingParams
-from kvledger.core.async_engine import AsyncEngine
 from kvledger.core.detokenizer import (
     FastIncrementalDetokenizer,
     IncrementalDetokenizer,
     SlowIncrementalDetokenizer,
 )
+from kvledger.engine.async_engine import AsyncEngine
 from kvledger.sampling_params import RequestOutputKind
 
 UNICODE = ["naïve café 世界 — 😀 ok", "Ünïcödé ẞ and 日本語のテキスト", "plain ascii, then ñ"]

@@ -60,7 +60,7 @@ def test_the_engine_runs_in_a_child_process_that_the_front_end_feeds(core_server
 
 
 def test_both_server_processes_freeze_their_start_up_heap(core_server):
-    """kvledger/core/gc_heap.py: the front end and the engine core each say how many objects they
+    """kvledger/engine/gc_heap.py: the front end and the engine core each say how many objects they
     froze out of the garbage collector's walks: a loaded server's worth, not a handful."""
     text = core_server.log_path.read_text()
     for who in ("front end: ", "engine core 0: "):
@@ -101,7 +101,7 @@ def test_an_engine_start_up_error_is_one_line(tmp_path):
 def test_a_request_crosses_the_wire_with_its_constraint():
     """ADD carries SamplingParams pickled; a grammar is re-parsed on the far side (xgrammar's
     native object does not pickle), and one only llguidance takes travels as its source."""
-    from kvledger.core import core_protocol as wire
+    from kvledger.engine import core_protocol as wire
     from kvledger.sampling_params import SamplingParams
     from kvledger.structured.backends import guidance_available
     from kvledger.structured.params import StructuredOutputsParams as SO

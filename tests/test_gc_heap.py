@@ -1,4 +1,4 @@
-"""freeze_gc_heap (kvledger/core/gc_heap.py), in a child interpreter: freezing the test process's
+"""freeze_gc_heap (kvledger/engine/gc_heap.py), in a child interpreter: freezing the test process's
 own heap would keep every later test's garbage alive."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import os
 import subprocess
 import sys
 
-from kvledger.core.gc_heap import GC_FREEZE_ENV
+from kvledger.engine.gc_heap import GC_FREEZE_ENV
 
 PROBE = r"""
 import gc, json, weakref
-from kvledger.core.gc_heap import freeze_gc_heap
+from kvledger.engine.gc_heap import freeze_gc_heap
 
 class Node:
     pass
@@ -56,7 +56,7 @@ def test_freeze_can_be_turned_off():
 
 DEFER_PROBE = r"""
 import gc, json
-from kvledger.core.gc_heap import deferred_full_collections
+from kvledger.engine.gc_heap import deferred_full_collections
 
 full = []
 gc.callbacks.append(lambda phase, info: phase == "stop" and info["generation"] == 2 and full.append(1))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger.model import native
-from kvledger.model.gemm_rows import empty_rows, row_wise, rows_view
+from kvledger.kernels import native
+from kvledger.kernels.gemm_rows import empty_rows, row_wise, rows_view
 from kvledger.model.layers import (
     OVERWRITE_MAX_FRACTION,
     OVERWRITE_MIN_ROWS,

@@ -7,8 +7,8 @@ import pytest
 
 from kvledger import LLM
 from kvledger.commands.engine_args import add_engine_args, engine_kwargs
-from kvledger.core.gpu_memory import MemoryProfile, kv_cache_budget
 from kvledger.errors import ConfigError
+from kvledger.worker.gpu_memory import MemoryProfile, kv_cache_budget
 
 GiB = 1 << 30
 

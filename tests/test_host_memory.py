@@ -12,7 +12,7 @@ import torch
 
 from kvledger import LLM
 from kvledger.commands import serve
-from kvledger.model.kv_cache import KVCachePool
+from kvledger.storage.kv_cache import KVCachePool
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and glibc malloc")
 

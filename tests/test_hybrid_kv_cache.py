@@ -170,7 +170,7 @@ def test_runner_tables_follow_every_groups_deltas():
     """The runner keeps one BlockTable per group, fed only by the tagged table deltas: after
     growth, window releases, a fork, swap out and in, a trim and frees, each equals the
     manager's table of its group (issue 17's runner-side block table)."""
-    from kvledger.core.block_table import BlockTable
+    from kvledger.worker.block_table import BlockTable
 
     kv = _manager(host=64)
     tables = [BlockTable(rows=1, cols=2) for _ in range(3)]

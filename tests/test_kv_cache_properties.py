@@ -27,9 +27,9 @@ from hypothesis.stateful import (
 
 import kvledger.cache.block_hash as block_hash_mod
 from kvledger.cache.kv_cache_manager import KVCacheManager
-from kvledger.core.block_table import BlockTable
 from kvledger.errors import CacheError, OutOfBlocksError
 from kvledger.ledger.block_map import block_map
+from kvledger.worker.block_table import BlockTable
 
 BS = 4
 NUM_BLOCKS = 20

@@ -17,8 +17,8 @@ from kvledger import LLM, SamplingParams
 from kvledger.ledger.accounting import ModelSpec, kv_bytes_per_token
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
-from kvledger.model.kv_cache import HostKVPool, KVCachePool
-from kvledger.model.kv_quant import QMAX, dequantize, quantize
+from kvledger.storage.kv_cache import HostKVPool, KVCachePool
+from kvledger.storage.kv_quant import QMAX, dequantize, quantize
 
 FORMATS = ["int8", "fp8", "fp8_int8"]
 

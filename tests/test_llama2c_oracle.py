@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvledger import LLM, SamplingParams
-from kvledger.core.async_engine import AsyncEngine
+from kvledger.engine.async_engine import AsyncEngine
 from kvledger.sampling_params import RequestOutputKind
 
 RUN_C = Path(__file__).parent / "oracle" / "llama2c" / "run.c"

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kvledger/model/csrc) against float64 references, plus the
+"""The native CPU kernels (kvledger/kernels/csrc) against float64 references, plus the
 properties the engine relies on: a row's result does not depend on the batch around it, and
 everything falls back to torch when the kernels cannot be built.
 
@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvledger.model import kv_quant, native
-from kvledger.model.kv_cache import KVCachePool, PagedKVCache
+from kvledger.kernels import native
+from kvledger.storage import kv_quant
+from kvledger.storage.kv_cache import KVCachePool, PagedKVCache
 
 needs_native = pytest.mark.skipif(
     native.library() is None, reason="native kernels unavailable here (no C compiler or no AVX2)"

@@ -568,7 +568,7 @@ def small_llm():
 
 def test_async_engine_matches_offline_and_cancelling_a_consumer_aborts(small_llm):
     from kvledger import SamplingParams
-    from kvledger.core.async_engine import AsyncEngine
+    from kvledger.engine.async_engine import AsyncEngine
 
     prompts = ["Once upon a time", "Lily and Tom", "The big red ball"]
     params = SamplingParams(temperature=0, max_tokens=24)
@@ -607,7 +607,7 @@ def test_async_engine_matches_offline_and_cancelling_a_consumer_aborts(small_llm
 
 def test_async_engine_step_failure_fails_streams_not_the_process(small_llm, monkeypatch):
     from kvledger import SamplingParams
-    from kvledger.core.async_engine import AsyncEngine, EngineDeadError
+    from kvledger.engine.async_engine import AsyncEngine, EngineDeadError
 
     engine = small_llm.engine
 

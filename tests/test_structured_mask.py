@@ -11,8 +11,8 @@ import torch
 import xgrammar as xgr
 
 from kvledger.core.request import Request
-from kvledger.model import native
-from kvledger.model.sampler import SampleRequest, sample
+from kvledger.kernels import native
+from kvledger.sample.sampler import SampleRequest, sample
 from kvledger.sampling_params import SamplingParams
 from kvledger.structured.state import apply_bitmask, disallowed_rows
 

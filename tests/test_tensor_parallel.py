@@ -284,7 +284,7 @@ def test_server_answers_503_when_a_rank_dies(tmp_path, stories_path):
 def test_a_dead_rank_is_blamed_not_the_peer_that_aborted_after_it():
     """When rank 1 is killed its peer's collective fails and rank 0 aborts (SIGABRT) moments
     later; whichever the driver sees first, the error names rank 1, the cause."""
-    from kvledger.distributed.executor import TPExecutor, WorkerFailedError
+    from kvledger.executor.tp_executor import TPExecutor, WorkerFailedError
 
     ex = TPExecutor.__new__(TPExecutor)  # only the process bookkeeping is exercised
     ex._logs = []

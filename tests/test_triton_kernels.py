@@ -27,8 +27,8 @@ from kvledger.model.attention.triton_backend import (  # noqa: E402
     TritonAttentionBackend,
     resolve_attention_backend,
 )
-from kvledger.model.kv_cache import KVCachePool  # noqa: E402
-from kvledger.model.kv_quant import quantize  # noqa: E402
+from kvledger.storage.kv_cache import KVCachePool  # noqa: E402
+from kvledger.storage.kv_quant import quantize  # noqa: E402
 
 
 def _pools(kv_dtype, dtype, heads_kv, head_dim, bs, num_blocks, S=0, R=0, slots=0):
@@ -263,7 +263,7 @@ def test_decode_graph_padding_rows_change_nothing():
     """CUDA-graph inputs (core/cuda_graphs.DecodeGraphs.stage): a 3-request decode step padded to
     the captured size 4 (slot -1, one context token) attends exactly like the step itself, and
     the padding row writes nothing. The capture itself needs a GPU (benchmarks/gpu_check.py)."""
-    from kvledger.core.cuda_graphs import DecodeGraphs, capture_sizes
+    from kvledger.worker.cuda_graphs import DecodeGraphs, capture_sizes
 
     assert capture_sizes(3) == [1, 2, 4, 8] and capture_sizes(1000)[-1] == 512
     pools = _pools("auto", torch.float32, 2, 16, 16, 16)

@@ -1,7 +1,7 @@
 """The block-table changes of one step, as the scheduler hands them to the runner(s).
 
 The manager owns the block tables; a runner keeps its own copy of the rows it reads
-(``kvledger.core.block_table.BlockTable``) and updates it from these deltas only, so no runner
+(``kvledger.worker.block_table.BlockTable``) and updates it from these deltas only, so no runner
 (in this process or in a tensor-parallel worker) ever reads the manager's state. vLLM v1 sends
 ``new_block_ids`` the same way; here one shape covers every change: appends, a copy-on-write
 replacement, swap-out (-1) and swap-in, window releases (RELEASED) and trims all say "entries

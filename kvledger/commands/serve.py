@@ -304,9 +304,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from kvledger.core.async_core_engine import AsyncCoreEngine
     from kvledger.core.engine import LLMEngine
-    from kvledger.core.engine_info import EngineInfo
+    from kvledger.engine.async_core_engine import AsyncCoreEngine
+    from kvledger.engine.engine_info import EngineInfo
     from kvledger.llm import build_engine_config
     from kvledger.model.default import DEFAULT_MODEL_NAME
     from kvledger.server.app import ServerConfig, build_app
@@ -320,8 +320,8 @@ def run(args: argparse.Namespace) -> int:
         populate_kv_cache=args.populate_kv_cache,
     )
     engine: LLMEngine | AsyncCoreEngine
-    if args.data_parallel_size > 1:  # N cores, one front end (kvledger/router/dp_engine.py)
-        from kvledger.router.dp_engine import DataParallelEngine
+    if args.data_parallel_size > 1:  # N cores, one front end (kvledger/engine/dp_engine.py)
+        from kvledger.engine.dp_engine import DataParallelEngine
 
         engine = DataParallelEngine.launch_dp(
             engine_config, args.data_parallel_size, args.dp_routing, torch_threads=args.torch_threads
@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
         key = "?key=<key>" if api_keys else ""
         log.info("dashboard: %s://%s:%d/dashboard%s", scheme, args.host, args.port, key)
     app = build_app(engine, config)
-    from kvledger.core.gc_heap import freeze_gc_heap
+    from kvledger.engine.gc_heap import freeze_gc_heap
 
     log.info("front end: %d start-up objects frozen out of the garbage collector", freeze_gc_heap())
     try:

@@ -17,7 +17,6 @@ from kvledger.cache.kv_cache_manager import cdiv
 from kvledger.cache.kv_events import make_batch, make_publisher
 from kvledger.config import EngineConfig
 from kvledger.core.detokenizer import IncrementalDetokenizer
-from kvledger.core.model_runner import ModelRunner, RunnerOutput
 from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.request import Request, RequestStatus
 from kvledger.core.scheduler import Scheduler, SchedulerOutput
@@ -31,14 +30,15 @@ from kvledger.ledger.accounting import (
 )
 from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.logprobs import Logprob
-from kvledger.model import host_memory
-from kvledger.model.kv_cache import HostKVPool, KVCachePool
-from kvledger.model.kv_overlay import SINK_CACHE_ENTRIES
 from kvledger.model.layers import warm_up_gemm_shapes
 from kvledger.model.loader import load_model, load_tokenizer
 from kvledger.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
+from kvledger.storage import host_memory
+from kvledger.storage.kv_cache import HostKVPool, KVCachePool
+from kvledger.storage.kv_overlay import SINK_CACHE_ENTRIES
 from kvledger.structured.manager import StructuredOutputManager
+from kvledger.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger("kvledger")
 
@@ -186,7 +186,7 @@ class LLMEngine:
             and not config.enforce_eager
             and self.kv_pool.overlay is None
         ):
-            from kvledger.core.cuda_graphs import DecodeGraphs
+            from kvledger.worker.cuda_graphs import DecodeGraphs
 
             self.runner.graphs = DecodeGraphs(
                 self.model,
@@ -220,8 +220,8 @@ class LLMEngine:
     def _init_tensor_parallel(self, num_blocks: int, bytes_per_block: int, overlay_slots: int) -> None:
         """Start the ranks (kvledger.distributed): each loads its shard and builds its pools of
         ``num_blocks`` blocks for its own KV heads; the scheduler and block manager stay here."""
-        from kvledger.distributed.executor import TPExecutor
-        from kvledger.distributed.messages import WorkerSpec
+        from kvledger.executor.messages import WorkerSpec
+        from kvledger.executor.tp_executor import TPExecutor
 
         config, cc = self.config, self.config.cache
         self._build_scheduler(num_blocks)
@@ -275,7 +275,7 @@ class LLMEngine:
             self.runner.layer_group = self.kv_layout.layer_group
         if overlay_slots:  # quantised KV's overlay: bookkeeping here, rows on the ranks
             from kvledger.distributed.overlay_proxy import RemoteOverlayPool
-            from kvledger.model.kv_overlay import OverlaySlots
+            from kvledger.storage.kv_overlay import OverlaySlots
 
             row = self.tp_ranks[0].overlay_bytes_per_row
             self.runner.overlay = OverlaySlots(
@@ -370,7 +370,7 @@ class LLMEngine:
             if self.device.type == "cuda":
                 # vLLM's gpu_memory_utilization: weights + activations (from a profiling run
                 # of the largest step) + KV within that share of the device.
-                from kvledger.core.gpu_memory import kv_cache_budget, profile
+                from kvledger.worker.gpu_memory import kv_cache_budget, profile
 
                 free, _ = torch.cuda.mem_get_info(self.device)
                 self.memory_profile = profile(self, self._free_at_start or free)

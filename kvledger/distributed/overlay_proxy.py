@@ -1,7 +1,7 @@
 """The quantised-KV overlay under tensor parallelism: the driver keeps the bookkeeping, every
 rank replays the pool operations on its own heads.
 
-``OverlaySlots`` (kvledger.model.kv_overlay) decides which slot each request owns and which
+``OverlaySlots`` (kvledger.storage.kv_overlay) decides which slot each request owns and which
 rows are valid, and calls a handful of pool operations: grow the overlay, copy a slot (n > 1
 forks), read a request's sink rows into the sink cache, write cached sinks into a slot. In the
 driver its pool is a ``RemoteOverlayPool``: each operation is recorded, and the list goes to

@@ -57,7 +57,7 @@ class LedgerSnapshot:
     swap_in_seconds: float = 0.0
 
     # The real device allocation behind the ledger (not the formula): the pool's tensors and the
-    # overlay, and on CUDA the profiled split of the device (core/gpu_memory.py).
+    # overlay, and on CUDA the profiled split of the device (worker/gpu_memory.py).
     device: str = "cpu"
     device_pool_bytes: int = 0
     device_memory: dict | None = None

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvledger.model import host_memory, native
-from kvledger.model.gemm_rows import ROW_INVARIANT, gemm_rows_bucket, row_wise, rows_view
+from kvledger.kernels import native
+from kvledger.kernels.gemm_rows import ROW_INVARIANT, gemm_rows_bucket, row_wise, rows_view
+from kvledger.storage import host_memory
 
 
 class Linear(nn.Module):

@@ -16,13 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvledger.kernels import native
+from kvledger.kernels.fused_layer import FusedLayers
 from kvledger.ledger.accounting import SLIDING
-from kvledger.model import native
 from kvledger.model.attention.backend import AttentionBackend
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
-from kvledger.model.fused_layer import FusedLayers
-from kvledger.model.kv_cache import LayerKVCache
 from kvledger.model.layers import (
     ROW_INVARIANT,
     Embedding,
@@ -34,6 +33,7 @@ from kvledger.model.layers import (
     apply_rotary,
 )
 from kvledger.model.moe import SparseMoE
+from kvledger.storage.kv_cache import LayerKVCache
 
 
 @dataclass

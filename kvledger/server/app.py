@@ -20,9 +20,9 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 import kvledger
-from kvledger.core.async_core_engine import AsyncCoreEngine
-from kvledger.core.async_engine import AsyncEngine
 from kvledger.core.engine import LLMEngine
+from kvledger.engine.async_core_engine import AsyncCoreEngine
+from kvledger.engine.async_engine import AsyncEngine
 from kvledger.server.errors import APIError, error_response, install_error_handlers
 from kvledger.server.guard import Guard
 from kvledger.server.metrics import ServerMetrics

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvledger.core.async_engine import EngineDeadError
+from kvledger.engine.async_engine import EngineDeadError
 from kvledger.errors import KVLedgerError
 from kvledger.server.protocol import ErrorInfo, ErrorResponse
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvledger.core.async_engine import RequestStream
+from kvledger.engine.async_engine import RequestStream
 from kvledger.errors import KVLedgerError
 from kvledger.logprobs import Logprob
 from kvledger.outputs import RequestOutput, merge_deltas

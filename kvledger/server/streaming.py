@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvledger.core.async_engine import EngineDeadError, RequestStream
+from kvledger.engine.async_engine import EngineDeadError, RequestStream
 from kvledger.errors import KVLedgerError
 from kvledger.outputs import CompletionOutput, RequestOutput
 from kvledger.server.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo

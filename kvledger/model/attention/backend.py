@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from kvledger.model.attention.metadata import AttentionMetadata
-from kvledger.model.kv_cache import LayerKVCache
+from kvledger.storage.kv_cache import LayerKVCache
 
 
 class AttentionBackend(Protocol):

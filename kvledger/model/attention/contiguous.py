@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from kvledger.model import native
+from kvledger.kernels import native
 
 
 class _ContigLibrary:

@@ -27,7 +27,7 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     # Quantised KV caches only (None otherwise): each request's full-precision overlay slot, and
     # the first position whose sink / recent-window rows that slot holds (earlier ones -- served by
-    # the prefix cache -- are read dequantised). See kvledger.model.kv_overlay.OverlaySlots.
+    # the prefix cache -- are read dequantised). See kvledger.storage.kv_overlay.OverlaySlots.
     overlay_slots: list[int] | None = None
     overlay_sink_from: list[int] | None = None
     overlay_window_from: list[int] | None = None

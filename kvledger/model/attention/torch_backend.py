@@ -2,7 +2,7 @@
 
 Correctness first: each request reads back only its own blocks, and queries of a chunk sit at
 positions seq_len - query_len + i. Single-token decodes of all requests go to one call of the
-native paged-decode kernel (kvledger.model.native: CPU, float32 or bfloat16 queries, the cache
+native paged-decode kernel (kvledger.kernels.native: CPU, float32 or bfloat16 queries, the cache
 unquantised or int8/fp8 codes), which reads the blocks in place in their stored format; elsewhere
 they are batched into a few masked SDPA calls (grouped by context length), because a Python loop
 costs more than the attention itself on small models.
@@ -10,7 +10,7 @@ costs more than the attention itself on small models.
 Quantised caches (``layer_cache.quantized``): every key is read back dequantised from the blocks
 of the requests in the step (never the whole cache), including the step's own tokens, and the
 full-precision overlay is substituted for sinks and the recent window, per query: a query at
-position q sees key p in full precision iff p < S or q - p < R (``kvledger.model.kv_overlay``).
+position q sees key p in full precision iff p < S or q - p < R (``kvledger.storage.kv_overlay``).
 The native decode applies the same rule to the codes it reads (``_NativeDecode.fp_spans``).
 A decode overwrites those rows; a prefill chunk with R > 0 attends over the dequantised context
 plus the window's full-precision keys appended, with a mask that lets each query see each
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvledger.model import native
+from kvledger.kernels import native
+from kvledger.kernels.gemm_rows import empty_rows
 from kvledger.model.attention.metadata import AttentionMetadata
-from kvledger.model.gemm_rows import empty_rows
-from kvledger.model.kv_cache import LayerKVCache
-from kvledger.model.kv_overlay import (
+from kvledger.storage.kv_cache import LayerKVCache
+from kvledger.storage.kv_overlay import (
     Fix,
     OverlayInfo,
     Segments,
@@ -254,7 +254,7 @@ class TorchAttentionBackend:
     ) -> tuple[_NativeDecode | None, _NativePrefill | None] | None:
         """The step's native decode and prefill calls when its attention is nothing else (no
         SDPA chunk or group, no full-precision overlay), else None: what the native decoder
-        layer (kvledger.model.fused_layer) can run in their place."""
+        layer (kvledger.kernels.fused_layer) can run in their place."""
         plan = self._get_plan(meta, dtype, kv_width, layer_cache, num_heads)
         nd = plan.native_decode
         if plan.chunks or plan.decode or plan.overlay_dst is not None or (nd is not None and nd.fp_spans is not None):

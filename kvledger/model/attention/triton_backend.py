@@ -19,7 +19,7 @@ import torch
 from kvledger.config import ATTENTION_BACKENDS
 from kvledger.errors import ConfigError
 from kvledger.model.attention.metadata import AttentionMetadata
-from kvledger.model.kv_cache import LayerKVCache
+from kvledger.storage.kv_cache import LayerKVCache
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
@@ -145,7 +145,7 @@ class TritonAttentionBackend:
         return self._step
 
     def _overlay(self, meta: AttentionMetadata, layer_cache):
-        from kvledger.model.kv_overlay import OverlayInfo, overlay_writes
+        from kvledger.storage.kv_overlay import OverlayInfo, overlay_writes
 
         S, R = layer_cache.sink_tokens, layer_cache.recent_tokens
         dev = meta.slot_mapping.device

@@ -4,7 +4,7 @@ Two kernels and a reduction, one design for every step shape (after vLLM's unifi
 
 - ``_write_kv_kernel``: one program per new token writes its K and V rows (all KV heads) at its
   pool slot, as model-dtype values or as int8 / fp8 (e4m3) codes with one float16 absmax scale
-  per token and head, bit-identical to ``kvledger.model.kv_quant.quantize``. A negative slot is
+  per token and head, bit-identical to ``kvledger.storage.kv_quant.quantize``. A negative slot is
   skipped (padding rows of a captured CUDA graph).
 - ``_attention_kernel``: a program owns one KV head and a tile of BLOCK_M query rows = BLOCK_Q
   consecutive tokens of one request x the GROUP query heads sharing that KV head (GQA/MQA: K/V
@@ -350,7 +350,7 @@ class CacheView:
 
     @classmethod
     def of(cls, layer_cache) -> CacheView:
-        """From a PagedKVCache or a QuantizedPagedKVCache (kvledger.model.kv_cache, model.kv_quant)."""
+        """From a PagedKVCache or a QuantizedPagedKVCache (kvledger.storage.kv_cache, model.kv_quant)."""
         bs = layer_cache.block_size
         if getattr(layer_cache, "quantized", False):
             return cls(

@@ -32,7 +32,7 @@ import time
 import torch
 from torch import nn
 
-from kvledger.model import native
+from kvledger.kernels import native
 
 MIN_WORK_S = 2e-3  # one thread's matmul time per decode step worth splitting
 ROWS = 16  # a decode step's rows

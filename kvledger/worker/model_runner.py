@@ -16,15 +16,15 @@ import numpy as np
 import torch
 
 from kvledger.cache.table_delta import TableDeltas
-from kvledger.core.block_table import BlockTable
 from kvledger.core.request import Request
 from kvledger.core.scheduler import SchedulerOutput
+from kvledger.kernels import native
 from kvledger.logprobs import Logprob
-from kvledger.model import native
 from kvledger.model.attention.metadata import AttentionMetadata
-from kvledger.model.kv_cache import HostKVPool, KVCachePool
-from kvledger.model.sampler import SampleRequest, make_logprobs, sample
+from kvledger.sample.sampler import SampleRequest, make_logprobs, sample
+from kvledger.storage.kv_cache import HostKVPool, KVCachePool
 from kvledger.structured.state import MaskBuffer
+from kvledger.worker.block_table import BlockTable
 
 
 @dataclass
@@ -72,16 +72,16 @@ class ModelRunner:
         self.masks = MaskBuffer()  # structured outputs' per-step grammar mask
         self.generator = torch.Generator().manual_seed(seed)
         # Quantised KV with sinks / a recent window: which full-precision overlay slot each
-        # request owns (kvledger.model.kv_overlay.OverlaySlots); None for unquantised caches.
+        # request owns (kvledger.storage.kv_overlay.OverlaySlots); None for unquantised caches.
         self.overlay = None
-        # CUDA graphs of decode steps (kvledger.core.cuda_graphs), set by the engine on CUDA.
+        # CUDA graphs of decode steps (kvledger.worker.cuda_graphs), set by the engine on CUDA.
         self.graphs = None
-        # Tensor parallelism: the ranks run the model (kvledger.distributed.executor.TPExecutor);
+        # Tensor parallelism: the ranks run the model (kvledger.executor.tp_executor.TPExecutor);
         # this runner prepares each step's plan and samples from rank 0's logits.
         self.executor = None
         self.last_step_ranks: list = []  # the ranks' StepResults of the last step (timings)
         if kv_pool is not None and kv_pool.overlay is not None:
-            from kvledger.model.kv_overlay import OverlaySlots
+            from kvledger.storage.kv_overlay import OverlaySlots
 
             self.overlay = OverlaySlots(kv_pool)
 
@@ -206,7 +206,7 @@ class ModelRunner:
     def _execute_on_ranks(self, so: SchedulerOutput, out: RunnerOutput) -> RunnerOutput:
         """Tensor parallelism: one StepPlan to every rank (block ops, inputs, logits rows);
         sampling and logprobs here, from rank 0's gathered logits, exactly as on one device."""
-        from kvledger.distributed.messages import StepPlan
+        from kvledger.executor.messages import StepPlan
 
         if not so.scheduled and not (so.blocks_to_swap_out or so.blocks_to_copy or so.blocks_to_swap_in):
             return out

@@ -11,7 +11,7 @@ Scales are absmax per (token, KV head), computed online as each token is written
 - an outlier token (attention sinks reach 10-100x the others) only coarsens its own row.
 
 Model side only (the pool, attention, the runner); the scheduler and the simulator never import it.
-The full-precision overlay of sinks and the recent window is ``kvledger.model.kv_overlay``.
+The full-precision overlay of sinks and the recent window is ``kvledger.storage.kv_overlay``.
 """
 
 from __future__ import annotations
@@ -128,9 +128,7 @@ class QuantizedPagedKVCache:
         self.overlay_v: torch.Tensor | None = None
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        from kvledger.model import (
-            native,  # the model side: imported on first write, not by the scheduler
-        )
+        from kvledger.kernels import native  # imported on first write, not by the scheduler
 
         if native.can_quantize_write(k) and k.dtype == self.dtype:
             native.quantize_write(self, k, v, slot_mapping)  # the same codes and scales, one call

@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from kvledger.core import core_protocol as wire
+from kvledger.engine import core_protocol as wire
 
 logger = logging.getLogger("kvledger")
 
@@ -57,7 +57,7 @@ def run_engine_core(
 
             torch.set_num_threads(torch_threads)
         from kvledger.core.engine import LLMEngine
-        from kvledger.core.engine_info import EngineInfo
+        from kvledger.engine.engine_info import EngineInfo
 
         try:
             engine = LLMEngine(config)
@@ -69,7 +69,7 @@ def run_engine_core(
         if not torch_threads and engine.device.type == "cpu" and engine.tp == 1:
             import torch
 
-            from kvledger.core.core_threads import MIN_WORK_S, choose_core_threads
+            from kvledger.engine.core_threads import MIN_WORK_S, choose_core_threads
 
             n = torch.get_num_threads()
             threads, work = choose_core_threads(engine.model, n)
@@ -78,7 +78,7 @@ def run_engine_core(
                 " (%d threads from %.1f ms; --torch-threads N to choose)",
                 index, threads, work * 1e3, n, MIN_WORK_S * 1e3,
             )  # fmt: skip
-        from kvledger.core.gc_heap import freeze_gc_heap
+        from kvledger.engine.gc_heap import freeze_gc_heap
 
         frozen = freeze_gc_heap()  # its start-up heap, out of the collector's walks
         logger.info("engine core %d: %d start-up objects frozen out of the garbage collector", index, frozen)
@@ -143,7 +143,7 @@ class EngineCore:
         self.out.send_multipart([wire.OUTPUTS, wire.encode_outputs(outs)], copy=False)
 
     def _handle(self, frames: list, outs: list) -> None:
-        from kvledger.core.async_engine import add_served_request
+        from kvledger.engine.async_engine import add_served_request
 
         kind, body = frames[0].bytes, frames[1].buffer if len(frames) > 1 else b""
         eng = self.engine
@@ -164,7 +164,7 @@ class EngineCore:
                 eng.abort_request(rid)
                 outs.append(eng.make_output(group))  # for the front end's metrics
         elif kind == wire.QUERY:
-            from kvledger.core.engine_info import run_query
+            from kvledger.engine.engine_info import run_query
 
             qid, name, args = wire.load(body)
             try:

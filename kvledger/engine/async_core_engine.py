@@ -18,14 +18,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvledger.core.async_engine import (
+from kvledger.engine.async_engine import (
     EngineObserver,
     RequestStream,
     StreamingFront,
     tokenize_prompt,
 )
-from kvledger.core.core_client import EngineCoreClient
-from kvledger.core.engine_info import EngineInfo
+from kvledger.engine.core_client import EngineCoreClient
+from kvledger.engine.engine_info import EngineInfo
 from kvledger.errors import EngineDeadError, InvalidRequestError
 from kvledger.outputs import RequestOutput
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
@@ -139,7 +139,7 @@ class AsyncCoreEngine(StreamingFront):
     async def run_in_engine(self, fn: Any) -> Any:
         raise TypeError(
             "the engine runs in another process: closures cannot reach it; "
-            "use query(name) with a function registered in kvledger.core.engine_info"
+            "use query(name) with a function registered in kvledger.engine.engine_info"
         )
 
     # -- plumbing -------------------------------------------------------------------------------

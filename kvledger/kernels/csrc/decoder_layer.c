@@ -1,4 +1,4 @@
-/* One whole decoder layer of the plain Llama family in one call (kvledger.model.fused_layer).
+/* One whole decoder layer of the plain Llama family in one call (kvledger.kernels.fused_layer).
  *
  * The layer is the sequence of kernels the Python modules call one by one, in the same order
  * and on the same arguments: RMSNorm, the fused qkv product, RoPE on q and k in place, the K/V

@@ -2,7 +2,7 @@
  *
  * One query token per request attends to its whole context: seq_lens[b] tokens whose K/V sit
  * in blocks block_tables[b, :] of caches laid out [num_blocks, block_size, num_kv_heads,
- * head_dim] (kvledger.model.kv_cache.PagedKVCache and kv_quant.QuantizedPagedKVCache). The
+ * head_dim] (kvledger.storage.kv_cache.PagedKVCache and kv_quant.QuantizedPagedKVCache). The
  * torch path gathers (and for quantised caches dequantises) every context into a padded copy
  * and runs SDPA over it; this kernel reads each K and V row once, where it lies, in its stored
  * format: float32, bfloat16, float16, or int8 / fp8 codes with one float16 scale per token and

@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from kvledger.distributed import parallel_state
-from kvledger.distributed.messages import (
+from kvledger.distributed.overlay_proxy import apply_overlay_ops
+from kvledger.distributed.sharding import shard_model
+from kvledger.executor.messages import (
     Shutdown,
     StepPlan,
     StepResult,
@@ -34,12 +36,10 @@ from kvledger.distributed.messages import (
     WorkerReady,
     WorkerSpec,
 )
-from kvledger.distributed.overlay_proxy import apply_overlay_ops
-from kvledger.distributed.sharding import shard_model
-from kvledger.model import host_memory
 from kvledger.model.attention.metadata import AttentionMetadata
-from kvledger.model.kv_cache import HostKVPool, KVCachePool
 from kvledger.model.layers import can_pack_linear, warm_up_gemm_shapes
+from kvledger.storage import host_memory
+from kvledger.storage.kv_cache import HostKVPool, KVCachePool
 
 
 def _tensor_bytes(tensors) -> int:

@@ -51,7 +51,7 @@ def kv_cache_budget(p: MemoryProfile, utilization: float) -> int:
 def profile(engine, free_at_start: int) -> MemoryProfile:
     """Run the largest step once over a scratch pool and measure (CUDA only)."""
     from kvledger.model.attention.metadata import AttentionMetadata
-    from kvledger.model.kv_cache import KVCachePool
+    from kvledger.storage.kv_cache import KVCachePool
 
     dev = engine.device
     sc, cc = engine.config.scheduler, engine.config.cache

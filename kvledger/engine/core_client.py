@@ -34,10 +34,10 @@ from typing import Any
 
 import zmq
 
-from kvledger.core import core_protocol as wire
-from kvledger.core.async_engine import resolve_threadsafe
-from kvledger.core.core_proc import run_engine_core
-from kvledger.core.engine_info import EngineInfo
+from kvledger.engine import core_protocol as wire
+from kvledger.engine.async_engine import resolve_threadsafe
+from kvledger.engine.core_proc import run_engine_core
+from kvledger.engine.engine_info import EngineInfo
 from kvledger.errors import EngineDeadError, KVLedgerError
 from kvledger.outputs import RequestOutput
 

@@ -26,11 +26,11 @@ from ctypes import Structure, c_float, c_int64, c_void_p
 
 import torch
 
-from kvledger.model import native
+from kvledger.kernels import native
+from kvledger.kernels.gemm_rows import row_wise
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
-from kvledger.model.gemm_rows import row_wise
-from kvledger.model.kv_cache import PagedKVCache
 from kvledger.model.layers import GatedMLP, Linear, RMSNorm, RopeStep
+from kvledger.storage.kv_cache import PagedKVCache
 
 ENV = "KVLEDGER_FUSED_LAYER"
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
 from kvledger.core.engine import LLMEngine
-from kvledger.core.engine_info import EngineInfo, run_query
+from kvledger.engine.engine_info import EngineInfo, run_query
 from kvledger.errors import EngineDeadError, InvalidRequestError
 from kvledger.outputs import RequestOutput
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
@@ -151,7 +151,7 @@ class StreamingFront:
 class AsyncEngine(StreamingFront):
     """The engine in this process, stepped by a background thread.
 
-    ``AsyncCoreEngine`` (kvledger/core/async_core_engine.py) has the same API over engine
+    ``AsyncCoreEngine`` (kvledger/engine/async_core_engine.py) has the same API over engine
     core processes; the server uses either through ``info``, ``tokenizer``, ``add_request``,
     ``abort``, ``query`` and ``is_running``.
     """

@@ -1,13 +1,13 @@
 /* Vector helpers shared by the kernels in this folder, for two instruction sets.
  *
- * Every source here is compiled twice (kvledger/model/native.py): once for AVX2+FMA+F16C
+ * Every source here is compiled twice (kvledger/kernels/native.py): once for AVX2+FMA+F16C
  * (8 float lanes) and once with AVX-512 F/BW/VL/DQ (16 lanes), and -mavx512bf16 plus
  * KVL_AVX512BF16 where the CPU has avx512_bf16, -mavx512vnni plus KVL_AVX512VNNI where it has
  * avx512_vnni. The kernels are written once against `vf`
  * (VW float lanes) and the v* helpers; which library is loaded is chosen at run time from the
  * CPU's flags (or KVLEDGER_NATIVE_ISA).
  *
- * Element types the kernels read (codes of kvledger.model.native.ELEM):
+ * Element types the kernels read (codes of kvledger.kernels.native.ELEM):
  *   0 float32, 1 bfloat16, 2 float16, 3 int8 (quantised KV codes), 4 fp8 e4m3 (raw bytes).
  * Conversions to float32 are exact: bf16 is the top half of a float32; fp16 via F16C; int8 via
  * int32; e4m3 is rebuilt as the fp16 with the same mantissa and exponent field, which is the

@@ -1,4 +1,4 @@
-/* Writes of new K/V rows into an unquantised paged cache (kvledger.model.kv_cache.PagedKVCache).
+/* Writes of new K/V rows into an unquantised paged cache (kvledger.storage.kv_cache.PagedKVCache).
  *
  * Row t of k and v (Hkv * D elements of the cache's dtype, rows src_stride elements apart, heads
  * packed) goes to slot slots[t] of the caches [num_slots, Hkv, D]: a copy, what torch's

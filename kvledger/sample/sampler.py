@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvledger.kernels import native
 from kvledger.logprobs import Logprob
-from kvledger.model import native
-from kvledger.model.logits_processor import needs_processing, process_logits
+from kvledger.sample.logits_processor import needs_processing, process_logits
 from kvledger.sampling_params import SamplingParams
 from kvledger.structured.state import apply_bitmask, disallowed_rows, mask_threads
 

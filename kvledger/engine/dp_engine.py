@@ -17,8 +17,8 @@ import tempfile
 from typing import Any
 
 from kvledger.cache.kv_events import KVEventsConfig
-from kvledger.core.async_core_engine import AsyncCoreEngine, start_cores
-from kvledger.core.core_client import EngineCoreClient
+from kvledger.engine.async_core_engine import AsyncCoreEngine, start_cores
+from kvledger.engine.core_client import EngineCoreClient
 from kvledger.errors import ConfigError, EngineDeadError
 from kvledger.router.policy import NoReplicaError, Router
 

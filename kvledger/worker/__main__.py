@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     key = os.environ.get("KVLEDGER_TP_AUTHKEY")
     if not key:
         raise SystemExit("KVLEDGER_TP_AUTHKEY is not set: use the driver's secret")
-    from kvledger.distributed.worker import run_worker
+    from kvledger.worker.tp_worker import run_worker
 
     return run_worker(parse_address(args.driver), key.encode(), args.threads)
 

@@ -4,7 +4,7 @@ to all of them, collect the results, and notice a rank that dies or hangs.
 The driver is not a rank (as vLLM v1's multiprocess executor): it runs the scheduler, the block
 manager, sampling and detokenisation, and no weights; every rank is a ``kvledger.worker``
 process, so a rank's failure never takes the driver's state with it. Messages go over one
-authenticated ``multiprocessing.connection`` per rank (pickled ``kvledger.distributed.messages``);
+authenticated ``multiprocessing.connection`` per rank (pickled ``kvledger.executor.messages``);
 the tensors between ranks go through torch.distributed.
 
 Faults: a step waits at most ``step_timeout_s`` for every rank; a rank that closes its
@@ -27,7 +27,8 @@ import threading
 import time
 from multiprocessing.connection import Connection, Listener, wait
 
-from kvledger.distributed.messages import (
+from kvledger.errors import ConfigError
+from kvledger.executor.messages import (
     Shutdown,
     StepPlan,
     StepResult,
@@ -35,7 +36,6 @@ from kvledger.distributed.messages import (
     WorkerReady,
     WorkerSpec,
 )
-from kvledger.errors import ConfigError
 
 logger = logging.getLogger("kvledger")
 

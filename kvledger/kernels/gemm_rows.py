@@ -94,4 +94,4 @@ def rows_view(x: torch.Tensor, rows: int) -> torch.Tensor | None:
 
 
 # Last: native imports this module (empty_rows), and row_wise only reads native when called.
-from kvledger.model import native  # noqa: E402
+from kvledger.kernels import native  # noqa: E402

@@ -12,7 +12,8 @@ from typing import Protocol
 
 import torch
 
-from kvledger.model import host_memory, native
+from kvledger.kernels import native
+from kvledger.storage import host_memory
 
 
 class LayerKVCache(Protocol):
@@ -76,7 +77,7 @@ class KVCachePool:
     """All layers' paged KV cache, preallocated once (zeros: unwritten slots stay finite, so masked reads are safe).
 
     ``kv_cache_dtype`` auto stores K/V in the model dtype; int8 / fp8 / fp8_int8 store codes plus
-    one float16 scale per token per KV head (``kvledger.model.kv_quant``), all in one uint8 buffer,
+    one float16 scale per token per KV head (``kvledger.storage.kv_quant``), all in one uint8 buffer,
     and keep ``overlay_slots`` full-precision overlay slots of ``sink_tokens + recent_tokens`` rows
     per layer for the requests' attention sinks and recent window.
     """
@@ -118,7 +119,7 @@ class KVCachePool:
             )
             self.layers: list[LayerKVCache] = [PagedKVCache(self.data[i]) for i in range(num_layers)]
             return
-        from kvledger.model import kv_quant
+        from kvledger.storage import kv_quant
 
         k_fmt, v_fmt = kv_quant.KV_FORMATS[kv_cache_dtype]
         lay = kv_quant.layout_bytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
