@@ -27,10 +27,10 @@ The load (``benchmarks.common.make_workload`` over the model's vocabulary): toke
 ``/v1/completions`` with ``return_token_ids`` (vLLM's extension, which kvledger implements), from
 an async client keeping ``C`` requests in flight, after a short warm-up. The client is aiohttp
 (``--client``; vLLM's ``bench serve`` uses it too): on this 2-core machine the client shares the
-cores with the server, and httpx took twice its CPU (0.22-0.30 cores against 0.10-0.14 at the
-same loads), taken from the server and added to every latency it timed, more so the more tokens
-per second a server streams (docs/benchmarks.md, issue 24 session 10). ``--client httpx`` keeps
-the earlier sessions' client.
+cores with the server, and httpx took twice its CPU (0.22-0.30 cores against 0.10-0.14 at the same
+loads), taken from the server and added to every latency it timed, more so the more tokens per
+second a server streams (docs/measurements/serving_vs_vllm.md, "The load generator's own cost").
+``--client httpx`` keeps the earlier sessions' client.
 
 Figures per run: generated tok/s over the timed phase; TTFT (request sent -> first chunk
 carrying a token) p50/p99; inter-token latency (gap between consecutive token-bearing chunks,

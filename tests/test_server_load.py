@@ -201,8 +201,8 @@ def test_half_the_clients_hang_up_early_without_leaking(server, reference):
 def test_the_front_end_runs_on_uvloop_and_httptools():
     """`kvledger serve` leaves uvicorn's loop and HTTP parser on "auto", which take uvloop and
     httptools when installed, as in vLLM (uvicorn[standard]). They are dependencies because
-    they cut the front end's CPU per streamed token by ~30 % (docs/benchmarks.md, issue 24
-    session 15): without them uvicorn silently falls back to asyncio's loop and h11."""
+    they cut the front end's CPU per streamed token by ~30 % (docs/measurements/serving_settings.md,
+    the uvloop section): without them uvicorn silently falls back to asyncio's loop and h11."""
     import uvicorn
     import uvloop
 

@@ -175,7 +175,7 @@ def serve_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     slow then: TTFT p50 746 vs 1,997 ms at 64 streams). With the decode attention split and
     specialised, no cap, vLLM's behaviour, measured better on the opening burst's first tokens
     in every configuration tried (TTFT p99 -7 % to -33 %, tiny and 60M bf16, 8 and 64 streams;
-    docs/benchmarks.md, issue 24 session 6), so it is the default again."""
+    docs/measurements/serving_settings.md, "no prefill cap"), so it is the default again."""
     kw = engine_kwargs(args)
     if not kw.get("max_prefill_tokens_while_decoding"):
         kw.pop("max_prefill_tokens_while_decoding", None)
@@ -250,16 +250,16 @@ def set_omp_wait_defaults(env) -> None:
     """How OpenMP workers wait between parallel regions, unless the user said
     (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set: both kept as they are).
 
-    Workers that spin without bound (libgomp's ACTIVE) take the core the other process (front
-    end or engine core) needs: on 2 shared cores the engine core ran ~10x slower, and an idle
-    server would keep a core busy. Workers that sleep at once (PASSIVE) must be woken for each
-    of a step's ~100 parallel regions, and the cores sat idle between them: bf16 60M model, 8
-    streams, 324-350 tok/s. A bounded spin bridges the gaps: 10,000 spins (~0.26 ms) covered
-    those inside a step, 464-474 tok/s; 1,000,000 (~26 ms) also covers the engine core's work
-    between steps (outputs, scheduling, inputs: 2-3 ms), so the worker is never put to sleep
-    and woken again while requests run: +11 % tok/s at 56 streams and +17 % at 8 (medians of
-    five alternated runs each, 60M bf16, docs/benchmarks.md issue 24 session 9). An idle
-    server's workers stop spinning ~26 ms after its last step.
+    Workers that spin without bound (libgomp's ACTIVE) take the core the other process (front end or
+    engine core) needs: on 2 shared cores the engine core ran ~10x slower, and an idle server would
+    keep a core busy. Workers that sleep at once (PASSIVE) must be woken for each of a step's ~100
+    parallel regions, and the cores sat idle between them: bf16 60M model, 8 streams, 324-350 tok/s.
+    A bounded spin bridges the gaps: 10,000 spins (~0.26 ms) covered those inside a step, 464-474
+    tok/s; 1,000,000 (~26 ms) also covers the engine core's work between steps (outputs, scheduling,
+    inputs: 2-3 ms), so the worker is never put to sleep and woken again while requests run: +11 %
+    tok/s at 56 streams and +17 % at 8 (medians of five alternated runs each, 60M bf16,
+    docs/measurements/serving_settings.md, "OpenMP spin of 1,000,000"). An idle server's workers
+    stop spinning ~26 ms after its last step.
     """
     if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         return

@@ -3,12 +3,12 @@ and what it carried (prefill tokens, decodes). Client-side inter-token and first
 percentiles are set by a handful of long steps; this says which ones they were.
 
 Off unless ``KVLEDGER_STEP_TRACE`` names a file; each engine that runs steps (the engine core
-process of a server) appends JSON lines to it. Steps are kept in memory and written when the
-engine runs out of work (the end of a load) or every FLUSH_STEPS steps, so the trace adds no
-file write to a busy step loop (in-process, the tiny model's 8-request decode step took the same
-time with and without it; docs/benchmarks.md, issue 24 session 11). Times are
-``time.monotonic()`` (CLOCK_MONOTONIC, shared by the processes of one machine, so a client can
-place the steps against its own requests).
+process of a server) appends JSON lines to it. Steps are kept in memory and written when the engine
+runs out of work (the end of a load) or every FLUSH_STEPS steps, so the trace adds no file write to
+a busy step loop (in-process, the tiny model's 8-request decode step took the same time with and
+without it; docs/measurements/serving_vs_vllm.md, "Which steps make the tails"). Times are
+``time.monotonic()`` (CLOCK_MONOTONIC, shared by the processes of one machine, so a client can place
+the steps against its own requests).
 """
 
 from __future__ import annotations

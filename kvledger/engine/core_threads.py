@@ -4,9 +4,10 @@ On a CPU server the engine core shares the machine with its HTTP front end (and,
 benchmark, the load generator). A second OpenMP thread halves a big model's matmul time, but
 for a small model it buys little and costs much: every parallel region wakes the worker and
 waits for it, and the worker's core is the one the front end needs. Measured on 2 cores
-(docs/benchmarks.md, issue 24): the 4 x 256 `kvledger-tiny` served 794 -> 1,424 tok/s at 8
-streams and 1,557 -> 1,838 at 64 with one thread instead of two; the 60M model lost a fifth
-of its 64-stream throughput with one (750-800 -> 603 tok/s).
+(docs/measurements/serving_settings.md, "the engine core's thread count"): the 4 x 256
+`kvledger-tiny` served 794 -> 1,424 tok/s at 8 streams and 1,557 -> 1,838 at 64 with one thread
+instead of two; the 60M model lost a fifth of its 64-stream throughput with one (750-800 -> 603
+tok/s).
 
 So the core times its own decode-step matmuls with one thread (one decoder layer's weights,
 scaled by the number of layers, and the LM head, at a decode step's rows; the fastest of a few

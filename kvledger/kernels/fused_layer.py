@@ -2,10 +2,10 @@
 
 Per layer the modules call ~10 native kernels and two torch adds, and between them run Python:
 module calls, argument checks, allocations, ~15 us a kernel, paid with the interpreter's data
-evicted by the weights each kernel streams: with the engine's own work, 16-21 % of a 64-decode
-step of the 60M model (docs/benchmarks.md, issue 24 session 16). The native layer calls the
-same kernels in the same order on the same arguments, so its results are the modules' bit for
-bit; it only runs where every one of them would have run natively:
+evicted by the weights each kernel streams: with the engine's own work, 16-21 % of a 64-decode step
+of the 60M model (docs/measurements/cpu_kernels.md, "The native decoder layer"). The native layer
+calls the same kernels in the same order on the same arguments, so its results are the modules' bit
+for bit; it only runs where every one of them would have run natively:
 
 - the model (checked once, after its weights are packed): plain Llama layers (no q/k norms,
   sandwich norms, norm offsets, soft-capping, sliding windows, partial rotary or MoE), SiLU MLP,

@@ -1,11 +1,11 @@
 """Row buckets of CPU GEMMs, and tensors allocated with room for them.
 
-A GEMM of m rows runs padded to gemm_rows_bucket(m) rows (see there). Padding a tensor costs a
-copy of every row: four a layer, 1.5-2 % of a full-budget prefill step of the 60M model (issue 24,
-docs/benchmarks.md). The kernels whose outputs feed a GEMM (RMSNorm, SiLU-and-mul, attention)
-allocate them with empty_rows instead: the m rows are a view of a buffer of the bucket's rows,
-so the GEMM reads the padded rows in place (rows_view). Products that the native row-wise
-kernel takes whole pad nothing (row_wise, which Linear follows too).
+A GEMM of m rows runs padded to gemm_rows_bucket(m) rows (see there). Padding a tensor costs a copy
+of every row: four a layer, 1.5-2 % of a full-budget prefill step of the 60M model
+(docs/measurements/cpu_kernels.md, "GEMM inputs padded in place"). The kernels whose outputs feed a
+GEMM (RMSNorm, SiLU-and-mul, attention) allocate them with empty_rows instead: the m rows are a view
+of a buffer of the bucket's rows, so the GEMM reads the padded rows in place (rows_view). Products
+that the native row-wise kernel takes whole pad nothing (row_wise, which Linear follows too).
 """
 
 from __future__ import annotations

@@ -50,9 +50,10 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
 }
 ISA_ENV = "KVLEDGER_NATIVE_ISA"
-# Up to this many rows the native blocked-layout GEMM is at least as fast as oneDNN's packed
-# one (AVX-512, bench-60m shapes, 8-64 rows: 1.0-1.6x, docs/benchmarks.md issue 15); the AVX2
-# build keeps the 16 rows measured for its row-major predecessor (not timed on an AVX2 CPU).
+# Up to this many rows the native blocked-layout GEMM is at least as fast as oneDNN's packed one
+# (AVX-512, bench-60m shapes, 8-64 rows: 1.0-1.6x, docs/measurements/cpu_kernels.md, "The few-row
+# GEMM on its own weight layout"); the AVX2 build keeps the 16 rows measured for its row-major
+# predecessor (not timed on an AVX2 CPU).
 SMALL_GEMM_MAX_ROWS = 64
 SMALL_GEMM_MAX_ROWS_AVX2 = 16
 
@@ -65,16 +66,16 @@ def small_gemm_max_rows() -> int:
     return SMALL_GEMM_MAX_ROWS if lib.vector_width == 16 else SMALL_GEMM_MAX_ROWS_AVX2
 
 
-# Past its few-row range the native kernel also takes a product whole where that beats oneDNN on
-# the bucket's padded rows (gemm_rows.row_wise). Measured on Zen 4 (the AVX-512 build with
-# vdpbf16ps, the 60M model's four layer weights, docs/benchmarks.md issue 24 session 14): per row
-# it takes 0.87-0.99x oneDNN's time up to 1,024 rows in float32 and 1.02-1.05x above, in bf16
-# 1.01-1.08x; a bf16 mixed step all through it also stops computing its decode rows twice. Whole
-# steps of 263-1,300 rows took 0.88-0.93x the time in float32, 0.93-0.98x in bf16 (beside only
+# Past its few-row range the native kernel also takes a product whole where that beats oneDNN on the
+# bucket's padded rows (gemm_rows.row_wise). Measured on Zen 4 (the AVX-512 build with vdpbf16ps,
+# the 60M model's four layer weights, docs/measurements/cpu_kernels.md, "Past the few-row range"):
+# per row it takes 0.87-0.99x oneDNN's time up to 1,024 rows in float32 and 1.02-1.05x above, in
+# bf16 1.01-1.08x; a bf16 mixed step all through it also stops computing its decode rows twice.
+# Whole steps of 263-1,300 rows took 0.88-0.93x the time in float32, 0.93-0.98x in bf16 (beside only
 # seven decodes 0.90-1.02x). bf16 went from 512 to 1,024 rows with the native decoder layer
 # (fused_layer), which takes a step only when all its products are row-wise: whole bf16 steps of
-# 758-1,008 rows beside 8-58 decodes then took 0.88-0.94x the time, a lone 800-token prompt
-# 0.96x (session 16). Other builds keep oneDNN past small_gemm_max_rows() (not measured).
+# 758-1,008 rows beside 8-58 decodes then took 0.88-0.94x the time, a lone 800-token prompt 0.96x
+# (session 16). Other builds keep oneDNN past small_gemm_max_rows() (not measured).
 WHOLE_ROWS = {torch.float32: 1024, torch.bfloat16: 1024}  # up to these rows, always
 WHOLE_ROW_COST = 1.06  # past them, when rows x this is under the bucket's rows
 
@@ -577,7 +578,8 @@ def can_paged_decode(layer_cache, num_heads: int, dtype: torch.dtype) -> bool:
 # than a handful of tokens (one carrying a prompt's prefill, or 32+ decoding rows), whose
 # matmuls a second thread halves. The step threshold was 256 tokens; at 32, the tiny model's
 # prefill-carrying steps no longer run on one thread, which set its inter-token p99 at 8
-# streams (21-23 -> 14-17.5 ms, docs/benchmarks.md issue 24 session 10).
+# streams (21-23 -> 14-17.5 ms, docs/measurements/serving_settings.md, "Prefill steps of 32 or
+# more tokens over both threads").
 _split_threads = 0
 DECODE_SPLIT_BYTES = 2 << 20  # K/V bytes one paged_decode call reads before it splits
 SPLIT_STEP_TOKENS = 32  # tokens in a step before its whole forward splits

@@ -42,11 +42,12 @@ class Linear(nn.Module):
     def pack(self) -> None:
         """Prepare the weight for the CPU's fast paths (float32 or bfloat16).
 
-        Decode steps multiply a handful of rows by every weight, so they stream weights
-        from memory; on the plain row-major layout MKL's small-M GEMM reaches only a fraction
-        of memory bandwidth (3-25 GFLOP/s here), oneDNN's blocked layout 1.5-2.5x that
-        (docs/benchmarks.md, issue 7). Same math, different summation order. The weight is
-        reordered into that layout once (float32, and bfloat16 where oneDNN has native bf16).
+        Decode steps multiply a handful of rows by every weight, so they stream weights from memory;
+        on the plain row-major layout MKL's small-M GEMM reaches only a fraction of memory bandwidth
+        (3-25 GFLOP/s here), oneDNN's blocked layout 1.5-2.5x that
+        (docs/measurements/cpu_kernels.md, the issue-7 section). Same math, different summation
+        order. The weight is reordered into that layout once (float32, and bfloat16 where oneDNN has
+        native bf16).
 
         Products of at most native.small_gemm_max_rows() rows (decode steps) go to native.small_gemm
         instead when it is available, on its own copy laid out for it (native.pack_weight, on
@@ -115,12 +116,12 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-# A product of at least OVERWRITE_MIN_ROWS rows whose leading row-wise rows are at most 1/16 of
-# them goes whole through oneDNN, those rows then overwritten in place (see Linear.forward).
-# Measured on the 60M model's four bf16 shapes, summed, against concatenating the two parts
-# (docs/benchmarks.md, issue 24 session 11): 1,024-2,048 rows beside 8-58 decode rows
-# 0.85-0.99x the time; 136-264 rows beside 8, 1.12-1.18x (the doubly computed rows cost more
-# than the copies saved there).
+# A product of at least OVERWRITE_MIN_ROWS rows whose leading row-wise rows are at most 1/16 of them
+# goes whole through oneDNN, those rows then overwritten in place (see Linear.forward). Measured on
+# the 60M model's four bf16 shapes, summed, against concatenating the two parts
+# (docs/measurements/cpu_kernels.md, "Inside a full-budget step"): 1,024-2,048 rows beside 8-58
+# decode rows 0.85-0.99x the time; 136-264 rows beside 8, 1.12-1.18x (the doubly computed rows cost
+# more than the copies saved there).
 OVERWRITE_MAX_FRACTION = 16
 OVERWRITE_MIN_ROWS = 1024
 

@@ -27,7 +27,8 @@ The lowest cost wins; ties go to the replica with fewer requests, then in turn. 
 is the same cost without the overlap; ``round_robin`` takes live replicas in turn.
 
 Four rules around the cost, for ``cache_aware`` only (issue 18: without them the simulator gave
-0.77-0.92x the throughput of a model of sglang-router's cache_aware, see docs/benchmarks.md):
+0.77-0.92x the throughput of a model of sglang-router's cache_aware, see
+docs/measurements/data_parallel.md):
 
 1. **Placement history.** When no replica holds (or is about to hold) any of the request's
    blocks, the request goes back to the replica the router last sent that prefix to: a bounded

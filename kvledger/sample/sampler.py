@@ -123,7 +123,8 @@ def sample(
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1), by the native kernel where it runs: the same indices, a decode step's
-    [56, 32000] logits in 0.11 ms instead of 1.57 (docs/benchmarks.md, issue 24 session 9)."""
+    [56, 32000] logits in 0.11 ms instead of 1.57 (docs/measurements/cpu_kernels.md, the argmax
+    section)."""
     out = native.argmax_rows(x)
     return x.argmax(dim=-1) if out is None else out
 

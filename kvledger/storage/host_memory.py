@@ -1,10 +1,10 @@
 """Large CPU buffers on transparent huge pages.
 
-Decode steps stream every weight and a request's whole KV context through the CPU; on 4 KiB
-pages that is a TLB miss every 4 KiB and, for the lazily zeroed KV pool, a page fault every
-4 KiB written. Anonymous private memory advised with MADV_HUGEPAGE gets 2 MiB pages where the
-kernel allows it (THP "madvise" or "always"): the native GEMM streamed weights 5-15 % faster
-in a microbenchmark (docs/benchmarks.md, issue 7). Pages are still only mapped when first
+Decode steps stream every weight and a request's whole KV context through the CPU; on 4 KiB pages
+that is a TLB miss every 4 KiB and, for the lazily zeroed KV pool, a page fault every 4 KiB written.
+Anonymous private memory advised with MADV_HUGEPAGE gets 2 MiB pages where the kernel allows it (THP
+"madvise" or "always"): the native GEMM streamed weights 5-15 % faster in a microbenchmark
+(docs/measurements/cpu_kernels.md, the issue-7 section). Pages are still only mapped when first
 written, so a pool's resident size grows with its use, in 2 MiB steps.
 """
 
@@ -56,12 +56,12 @@ def keep_freed_memory() -> bool:
     """Make glibc keep freed blocks of up to 32 MiB in the heap instead of unmapping them.
 
     A forward pass allocates and frees the same activation buffers every step; by default glibc
-    serves each one above its (adaptive) mmap threshold with a fresh mapping and returns it on
-    free, so every step page-faults its activations in again: a 2,044-token prefill of
-    kvledger-tiny took 101-110 ms that way and 84-92 ms with the buffers kept (docs/benchmarks.md,
-    issue 24 session 7). vLLM's CPU guide preloads tcmalloc for the same reason. The cost is that
-    the heap stays at its peak (a step's activations, tens of MiB). Off with KVLEDGER_MALLOPT=0;
-    returns whether it was applied (glibc only).
+    serves each one above its (adaptive) mmap threshold with a fresh mapping and returns it on free,
+    so every step page-faults its activations in again: a 2,044-token prefill of kvledger-tiny took
+    101-110 ms that way and 84-92 ms with the buffers kept (docs/measurements/serving_settings.md,
+    "freed heap blocks kept"). vLLM's CPU guide preloads tcmalloc for the same reason. The cost is
+    that the heap stays at its peak (a step's activations, tens of MiB). Off with
+    KVLEDGER_MALLOPT=0; returns whether it was applied (glibc only).
     """
     if os.environ.get("KVLEDGER_MALLOPT", "1") == "0" or not sys.platform.startswith("linux"):
         return False

@@ -184,12 +184,12 @@ class KVCachePool:
     def populate(self) -> None:
         """Map every page of the pool now (it holds zeros, so writing zeros changes nothing).
 
-        The CPU pool's pages are otherwise mapped on first write, inside the steps that first
-        use each block: in a fresh server that is every prefill for its first ~pool-size tokens,
-        and a 2,044-token prefill of the 60M model took 605-727 ms on a mapped pool vs
-        744-848 ms on a fresh one (docs/benchmarks.md, issue 24 session 7). A server maps it
-        at start-up instead, as vLLM allocates its zeroed cache; resident memory is then the
-        whole pool from the start."""
+        The CPU pool's pages are otherwise mapped on first write, inside the steps that first use
+        each block: in a fresh server that is every prefill for its first ~pool-size tokens, and a
+        2,044-token prefill of the 60M model took 605-727 ms on a mapped pool vs 744-848 ms on a
+        fresh one (docs/measurements/serving_settings.md, "The KV pool mapped at start-up"). A
+        server maps it at start-up instead, as vLLM allocates its zeroed cache; resident memory is
+        then the whole pool from the start."""
         self.data.zero_()
         if self.overlay is not None:
             self.overlay.zero_()

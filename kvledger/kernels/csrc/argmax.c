@@ -3,11 +3,12 @@
  * orders NaN above every number). -0.0 and +0.0 compare equal, so the first of them wins, as in
  * torch.
  *
- * torch's reduction reads a [56, 32000] row block at ~5 GB/s (1.5 ms of a 23 ms bf16 decode
- * step of the 60M model, docs/benchmarks.md issue 24 session 9); here one vector pass finds the
- * row's maximum (and whether it holds a NaN) and a second, over the same row still in L2, finds
- * its first occurrence. Rows are spread over the OpenMP threads, one row per iteration writing
- * only its own out[r], so the result does not depend on the thread count.
+ * torch's reduction reads a [56, 32000] row block at ~5 GB/s (1.5 ms of a 23 ms bf16 decode step of
+ * the 60M model, docs/measurements/serving_settings.md, "a served step against the same step
+ * in-process"); here one vector pass finds the row's maximum (and whether it holds a NaN) and a
+ * second, over the same row still in L2, finds its first occurrence. Rows are spread over the
+ * OpenMP threads, one row per iteration writing only its own out[r], so the result does not depend
+ * on the thread count.
  */
 #include <immintrin.h>
 #include <omp.h>

@@ -1,12 +1,12 @@
 /* y[M,N] = x[M,K] W[N,K]^T (+ b) for a few rows of x: the decode-step matmul.
  *
- * With few rows every weight is read once from memory and used M times, so the product is
- * bound by memory bandwidth if the kernel keeps up. kvl_small_gemm_packed (float32) and
- * kvl_small_gemm_bf16_packed (bfloat16 with vdpbf16ps) read W in a blocked layout made once at
- * load (kvl_pack_weight, below): 20-28 GB/s of weights on one Zen 4 core up to 6 rows, where
- * the row-major kernel they replaced managed 9-16 GB/s, and at least oneDNN's packed GEMM's
- * speed up to 64 rows (docs/benchmarks.md, issue 15). No fast-math: each output is one chain
- * of FMAs over k in order, a GEMM's rounding class.
+ * With few rows every weight is read once from memory and used M times, so the product is bound by
+ * memory bandwidth if the kernel keeps up. kvl_small_gemm_packed (float32) and
+ * kvl_small_gemm_bf16_packed (bfloat16 with vdpbf16ps) read W in a blocked layout made once at load
+ * (kvl_pack_weight, below): 20-28 GB/s of weights on one Zen 4 core up to 6 rows, where the
+ * row-major kernel they replaced managed 9-16 GB/s, and at least oneDNN's packed GEMM's speed up to
+ * 64 rows (docs/measurements/cpu_kernels.md, "The few-row GEMM on its own weight layout"). No
+ * fast-math: each output is one chain of FMAs over k in order, a GEMM's rounding class.
  *
  * bfloat16: x and W bf16 (half the bytes to stream), float32 accumulation, the bias added in
  * float32, one rounding to bfloat16 at the end (as oneDNN's bf16 GEMM). Without avx512_bf16
@@ -53,13 +53,13 @@
 static int64_t num_tiles(int64_t N) { return (N + NT - 1) / NT; }
 
 /* With MT rows per pass, a tile's first pass streams its weights from memory and the others
- * find them in cache; from PF_MIN_PASSES passes (19+ rows) each pass also requests its share
- * of the next tile's lines (into L1: prefetcht1 gained less), so that tile's first pass no
- * longer waits on memory. The 60M model's decode-step weights (every layer and the LM head,
- * 175 MB float32, beyond the L3), 2 threads, Zen 4: 0.91-0.98x the time at 24-64 rows, float32
- * and bfloat16; at 8-16 rows, where the product is bound by memory anyway, the extra requests
- * cost 5-30 %, hence the floor (docs/benchmarks.md, issue 24 session 12). Prefetching changes
- * no arithmetic: the output bits are the same. */
+ * find them in cache; from PF_MIN_PASSES passes (19+ rows) each pass also requests its share of the
+ * next tile's lines (into L1: prefetcht1 gained less), so that tile's first pass no longer waits on
+ * memory. The 60M model's decode-step weights (every layer and the LM head, 175 MB float32, beyond
+ * the L3), 2 threads, Zen 4: 0.91-0.98x the time at 24-64 rows, float32 and bfloat16; at 8-16 rows,
+ * where the product is bound by memory anyway, the extra requests cost 5-30 %, hence the floor
+ * (docs/measurements/cpu_kernels.md, "The row-wise GEMM prefetches the next tile"). Prefetching
+ * changes no arithmetic: the output bits are the same. */
 #define PF_MIN_PASSES 4
 
 /* Cache lines of the next tile to request during one pass over this one, a few per 8 k. */

@@ -38,12 +38,12 @@ from kvledger.storage.kv_overlay import (
     overlay_writes,
 )
 
-# Batching decodes saves the per-request op overhead (~100 us per request and layer on these
-# CPUs) but gathers each request's context padded to the longest in its batch, through a
-# masked SDPA. Decodes are sorted by context length and cut into groups: a group grows while
-# its padded context stays within _MAX_DECODE_PADDING x the real one and its gathered K + V
-# within _MAX_GROUP_BYTES (past a few MiB the gathered copies fall out of cache and one big
-# batch ran slower than the per-request loop; measured on bench-60m, docs/benchmarks.md).
+# Batching decodes saves the per-request op overhead (~100 us per request and layer on these CPUs)
+# but gathers each request's context padded to the longest in its batch, through a masked SDPA.
+# Decodes are sorted by context length and cut into groups: a group grows while its padded context
+# stays within _MAX_DECODE_PADDING x the real one and its gathered K + V within _MAX_GROUP_BYTES
+# (past a few MiB the gathered copies fall out of cache and one big batch ran slower than the
+# per-request loop; measured on bench-60m, docs/measurements/cpu_kernels.md, the issue-7 section).
 _MAX_DECODE_PADDING = 1.5
 _MAX_GROUP_BYTES = 4 << 20
 
@@ -61,15 +61,15 @@ class _Chunk:
 
 
 # Prefill chunks take the native kernel (native.paged_prefill) while their rows read at most
-# _NATIVE_PREFILL_MAX_READ context tokens in all (a fresh 1,024-token chunk), or, in contexts of
-# at most _NATIVE_PREFILL_SHORT_CONTEXT tokens, _NATIVE_PREFILL_MAX_READ_SHORT (a fresh
-# 2,048-token chunk, the default step budget). A chunk's rows read n * (2 * seq_len - n + 1) / 2,
-# so a short chunk late in a long prompt reads far more than its length says. Measured
-# (docs/benchmarks.md, issue 24 session 13), native vs per-request SDPA: whole prefill steps of
-# ~2,000 fresh tokens 0.64-0.90x (1 x 2,000, 2 x 1,000, 4 x 500; 60M and kvledger-tiny, bf16 and
-# float32); one layer's attention of a late chunk, 60M shapes, bf16 / float32: 512 or 64 rows in
-# 4,096 tokens 0.56-0.66x, 16 or 64 rows in 16,384 0.51-0.65x, but 32 rows in 32,768 0.50x /
-# 1.21x.
+# _NATIVE_PREFILL_MAX_READ context tokens in all (a fresh 1,024-token chunk), or, in contexts of at
+# most _NATIVE_PREFILL_SHORT_CONTEXT tokens, _NATIVE_PREFILL_MAX_READ_SHORT (a fresh 2,048-token
+# chunk, the default step budget). A chunk's rows read n * (2 * seq_len - n + 1) / 2, so a short
+# chunk late in a long prompt reads far more than its length says. Measured
+# (docs/measurements/cpu_kernels.md, the prefill attention section), native vs per-request SDPA:
+# whole prefill steps of ~2,000 fresh tokens 0.64-0.90x (1 x 2,000, 2 x 1,000, 4 x 500; 60M and
+# kvledger-tiny, bf16 and float32); one layer's attention of a late chunk, 60M shapes, bf16 /
+# float32: 512 or 64 rows in 4,096 tokens 0.56-0.66x, 16 or 64 rows in 16,384 0.51-0.65x, but 32
+# rows in 32,768 0.50x / 1.21x.
 _NATIVE_PREFILL_MAX_READ = 1024 * 1025 // 2
 _NATIVE_PREFILL_MAX_READ_SHORT = 2048 * 2049 // 2
 _NATIVE_PREFILL_SHORT_CONTEXT = 16384
