@@ -25,7 +25,7 @@ from kvledger.kernels import fused_layer
 def measure(path: str, dtype: str, decodes: int, prompt: int, steps: int) -> None:
     llm = LLM(path, dtype=dtype, block_size=32, kv_cache_memory=1 << 30, max_model_len=2048)
     eng = llm.engine
-    assert eng.runner.model.fused_layers is not None, "the native layer does not apply here"
+    assert eng.executor.worker.model.fused_layers is not None, "the native layer does not apply here"
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=4 * (steps + 3) + 16, ignore_eos=True, temperature=0)
     for i in range(decodes):

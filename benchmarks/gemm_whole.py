@@ -66,7 +66,7 @@ def steps(dtype: str) -> None:
     print(f"== whole steps ({dtype}), the rule on vs off, alternated step by step")
     llm = LLM(str(ensure_model("bench-60m")), dtype=dtype, block_size=32, kv_cache_memory=1 << 30, max_model_len=1024)
     eng = llm.llm_engine
-    eng.kv_pool.populate()  # as `kvledger serve` does: no first-touch page faults in the steps timed
+    eng.executor.worker.kv_pool.populate()  # as `kvledger serve` does: no first-touch page faults in the steps timed
     rule = native.small_gemm_whole
     g = torch.Generator().manual_seed(0)
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)

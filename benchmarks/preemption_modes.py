@@ -184,7 +184,7 @@ def run_once(
     def counting_schedule():
         so = schedule()
         counts["steps"] += 1
-        counts["tokens"] += so.num_scheduled_tokens
+        counts["tokens"] += so.total_num_scheduled_tokens
         return so
 
     sched.schedule = counting_schedule

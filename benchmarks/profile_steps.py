@@ -53,7 +53,7 @@ def main() -> int:
     prompts = [r["prompt_token_ids"] for r in wl]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in wl]
 
-    runner = llm.engine.runner
+    runner = llm.engine.executor.worker.runner
     execute = runner.execute
     stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
     parts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -62,8 +62,8 @@ def main() -> int:
         _install_split_timers(runner, parts, current)
 
     def timed(so):
-        decode = all(s.num_new_tokens == 1 for s in so.scheduled)
-        kind = f"decode{len(so.scheduled) // 8 * 8:03d}" if decode else "mixed"
+        decode = all(n == 1 for n in so.num_scheduled_tokens)
+        kind = f"decode{len(so.req_ids) // 8 * 8:03d}" if decode else "mixed"
         current["kind"] = kind
         t = time.perf_counter()
         out = execute(so)
@@ -71,7 +71,7 @@ def main() -> int:
         st = stats[kind]
         st[0] += 1
         st[1] += dt
-        st[2] += sum(s.num_new_tokens for s in so.scheduled)
+        st[2] += so.total_num_scheduled_tokens
         return out
 
     runner.execute = timed

@@ -44,7 +44,7 @@ def one_size(n: int, context: int, steps: int, block_size: int = 16) -> dict:
         t0 = time.perf_counter()
         so = sched.schedule()
         t1 = time.perf_counter()
-        runner.block_table.apply(so.table_deltas)
+        runner.update_states(so)  # the runner's own request states and block tables
         runner.prepare(so)
         t2 = time.perf_counter()
         for req in sched.update_after_step(so, 0.0):
@@ -57,7 +57,7 @@ def one_size(n: int, context: int, steps: int, block_size: int = 16) -> dict:
         step()  # prefill everything first
     phases.clear()
     times = [step() for _ in range(steps)]
-    assert all(len(s.request.output_token_ids) > 1 for s in sched.schedule().scheduled)
+    assert all(len(sched.requests[rid].output_token_ids) > 1 for rid in sched.schedule().req_ids)
     split = [1e3 * statistics.median(p[i] for p in phases) for i in range(3)]
     return {"running": n, "context": context, "p50_ms": 1e3 * statistics.median(times),
             "min_ms": 1e3 * min(times), "mean_ms": 1e3 * statistics.fmean(times),

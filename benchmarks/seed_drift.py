@@ -92,7 +92,7 @@ def teacher_forced_logits(llm: LLM, sequences: list[list[int]]) -> list[torch.Te
     engine's cache: [len - 1, vocab] per sequence (row t predicts token t + 1). Each sequence is
     one prefill (max_num_batched_tokens must cover it) with prompt_logprobs, which makes the
     runner compute logits for every prompt row; they are taken before top-k truncation."""
-    model = llm.engine.runner.model
+    model = llm.engine.executor.worker.model
     orig = model.compute_logits
     captured: list[torch.Tensor] = []
 

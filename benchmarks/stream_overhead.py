@@ -68,7 +68,7 @@ def serve(port: int, model: str, max_num_seqs: int, control_tokens: int = 0) -> 
     from kvledger.server.app import ServerConfig, build_app
 
     torch.set_num_threads(1)
-    engine = LLMEngine(
+    engine = LLMEngine.from_config(
         build_engine_config(
             model,
             max_model_len=MAX_LEN,
@@ -82,7 +82,8 @@ def serve(port: int, model: str, max_num_seqs: int, control_tokens: int = 0) -> 
     # CPU times (this thread's; torch runs on it with 1 thread)
     # do not count the time the OS gives other processes, so they hold on a loaded machine.
     steps: list[tuple[int, float, float, float, float, float, float]] = []
-    execute, step = engine.runner.execute, engine.step
+    runner = engine.executor.worker.runner
+    execute, step = runner.execute, engine.step
     model_s = [0.0, 0, 0.0, 0.0, 0.0]  # model wall, context, model CPU, control wall, control CPU
     control = _control_attention(engine, max_num_seqs, control_tokens) if control_tokens else None
 
@@ -91,7 +92,7 @@ def serve(port: int, model: str, max_num_seqs: int, control_tokens: int = 0) -> 
         out = execute(so)
         t1, c1 = time.perf_counter(), time.thread_time()
         model_s[0], model_s[2] = t1 - t0, c1 - c0
-        model_s[1] = max((s.request.num_computed_tokens for s in so.scheduled), default=0)
+        model_s[1] = max(so.num_computed_tokens, default=0)
         if control is not None:
             control(model_s[1])
             model_s[3], model_s[4] = time.perf_counter() - t1, time.thread_time() - c1
@@ -109,7 +110,7 @@ def serve(port: int, model: str, max_num_seqs: int, control_tokens: int = 0) -> 
         return outs
 
     control_cpu = [0.0]  # the control attention's CPU so far, left out of the process CPU
-    engine.runner.execute = timed_execute
+    runner.execute = timed_execute
     engine.step = timed_step
     app = build_app(engine, ServerConfig(served_model_names=["m"], model_path=model))
 
@@ -130,9 +131,9 @@ def _control_attention(engine, rows: int, tokens: int):
 
     from kvledger.kernels import native
 
-    caches = engine.runner.layer_caches
+    caches = engine.executor.worker.runner.layer_caches
     num_blocks, block_size, num_kv_heads, head_dim = caches[0].k.shape
-    cfg = engine.runner.model.config
+    cfg = engine.executor.worker.model.config
     num_heads = cfg.num_heads
     per_row = -(-tokens // block_size)
     tables = (torch.arange(rows * per_row, dtype=torch.int64) % num_blocks).view(rows, per_row)

@@ -62,10 +62,10 @@ def child(model: str, wl_path: Path, out: Path, tp: int) -> None:
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in wl]
     eng = llm.llm_engine
     pids = [r["pid"] for r in llm.ledger().ranks]
-    ex = eng.executor
-    if ex is not None:
-        for k in ex.stats:
-            ex.stats[k] = [0.0] * tp if isinstance(ex.stats[k], list) else 0
+    timings = getattr(eng.executor, "timings", None)  # tensor-parallel executors only
+    if timings is not None:
+        for k in timings:
+            timings[k] = [0.0] * tp if isinstance(timings[k], list) else 0
     busy0, own0 = _system_busy_s(), _own_cpu_s() + sum(_proc_cpu_s(p) for p in pids)
     steps0 = eng.scheduler.step
     t0 = time.perf_counter()
@@ -79,8 +79,8 @@ def child(model: str, wl_path: Path, out: Path, tp: int) -> None:
         "steps": eng.scheduler.step - steps0, "own_cpu_s": own,
         "foreign_cpu_s": max(0.0, busy - own), "outputs": tokens,
     }
-    if ex is not None:
-        res["executor"] = ex.stats
+    if timings is not None:
+        res["executor"] = timings
     out.write_text(json.dumps(res))
     eng.shutdown()
 

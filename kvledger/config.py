@@ -21,6 +21,7 @@ DTYPE_ALIASES = {
     "half": "float16",
 }
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+STRUCTURED_BACKENDS = ("auto", "xgrammar", "guidance")  # kvledger.structured.backends
 # "mp": the engine spawns one worker process per rank; "external": workers started elsewhere
 # (torchrun, several machines) connect to tp_driver_address.
 EXECUTOR_BACKENDS = ("mp", "external")
@@ -122,6 +123,9 @@ class EngineConfig:
     # vLLM's --kv-events-config: a KVEventsConfig, a dict or its JSON text; None: no events.
     kv_events_config: KVEventsConfig | dict | str | None = None
     data_parallel_rank: int | None = None  # this engine's rank among data-parallel replicas
+    # vLLM's StructuredOutputsConfig.backend for requests whose backend the server has not
+    # resolved (the offline API): xgrammar | guidance | auto.
+    structured_outputs_backend: str = "auto"
     # Tensor parallelism (kvledger/distributed): ranks, how they start, where an external
     # launcher's workers connect (HOST:PORT), torch threads per rank (None: cores / ranks), and
     # how long a step may wait for a rank before the engine fails its requests.
@@ -145,6 +149,7 @@ class EngineConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_BACKENDS)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.distributed_executor_backend is not None:
             _choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)

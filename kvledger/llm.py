@@ -82,8 +82,8 @@ class LLM:
 
         if backend not in BACKENDS:
             raise ConfigError(f"structured_outputs_config backend {backend!r} is not one of {', '.join(BACKENDS)}")
-        self.llm_engine = LLMEngine(build_engine_config(model, **kwargs))
-        self.llm_engine.structured.backend = backend  # vLLM's StructuredOutputsConfig.backend
+        kwargs["structured_outputs_backend"] = backend  # vLLM's StructuredOutputsConfig.backend
+        self.llm_engine = LLMEngine.from_config(build_engine_config(model, **kwargs))
 
     @property
     def engine(self) -> LLMEngine:

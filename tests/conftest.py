@@ -43,7 +43,8 @@ def _track_engines():
 
 @pytest.fixture(autouse=True)
 def no_leaked_blocks():
-    """Leaks are bugs: after each test, every live engine holds zero KV blocks."""
+    """Leaks are bugs: after each test, every live engine holds zero KV blocks, and its
+    runner no request state."""
     yield
     for eng in list(_engines):
         assert not eng.has_unfinished_requests(), f"requests left behind: {list(eng.groups)}"
@@ -53,6 +54,14 @@ def no_leaked_blocks():
         assert not kv.requests, f"block tables leaked: {list(kv.requests)}"
         if kv.host_pool is not None:
             assert kv.host_pool.num_used_blocks == 0, "host swap blocks leaked"
+        # The runner keeps nothing of a finished request either (in-process workers; a
+        # tensor-parallel rank runs the same runner code on the same messages).
+        runner = getattr(getattr(eng.executor, "worker", None), "runner", None)
+        if runner is not None and eng.executor.dead is None:
+            assert not runner.requests, f"runner request states leaked: {list(runner.requests)}"
+            assert not len(runner.block_table), "runner block-table rows leaked"
+            if runner.overlay is not None:
+                assert not runner.overlay.states, "overlay slots leaked"
 
 
 @pytest.fixture(scope="session")

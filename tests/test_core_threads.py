@@ -72,7 +72,7 @@ def test_a_large_step_splits_and_gives_the_same_tokens(stories_path, restore_thr
     assert native.step_threads(native.SPLIT_STEP_TOKENS - 1) == 0
     assert native.step_threads(native.SPLIT_STEP_TOKENS) == 2
     seen = []
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.worker.model
     hook = model.register_forward_pre_hook(lambda m, a: seen.append(torch.get_num_threads()))
     try:
         split = llm.generate(prompt, params)[0].outputs[0].token_ids

@@ -140,7 +140,7 @@ def tiny_engine(stories_path):
     from kvledger.llm import build_engine_config
 
     config = build_engine_config(str(stories_path), num_kv_blocks=32, calibrate_preemption=False)
-    return LLMEngine(config)
+    return LLMEngine.from_config(config)
 
 
 def test_dashboard_route_follows_the_api_key_and_can_be_turned_off(tiny_engine):

@@ -35,7 +35,7 @@ def test_ledger_reports_the_real_pool_allocation(stories_path, kv_cache_dtype):
               calibrate_preemption=False, max_num_seqs=4)  # fmt: skip
     snap = llm.ledger()
     assert snap.device == "cpu" and snap.device_memory is None
-    pool = llm.engine.kv_pool
+    pool = llm.engine.executor.worker.kv_pool
     real = pool.data.numel() * pool.data.element_size() + pool.overlay_bytes
     assert snap.device_pool_bytes == real
     # The formula and the allocation agree (quantised: codes and scales 64-byte aligned).
@@ -54,7 +54,7 @@ def test_engine_flags_reach_the_config(stories_path):
     assert kw["gpu_memory_utilization"] == 0.5
     llm = LLM(str(stories_path), enforce_eager=True, attention_backend="torch",
               num_kv_blocks=8, calibrate_preemption=False)  # fmt: skip
-    assert llm.engine.config.enforce_eager and llm.engine.runner.graphs is None
+    assert llm.engine.config.enforce_eager and llm.engine.executor.worker.runner.graphs is None
     with pytest.raises(ConfigError, match="attention_backend must be one of auto, torch, triton"):
         LLM(str(stories_path), attention_backend="flash", calibrate_preemption=False)
 

@@ -46,8 +46,9 @@ def test_an_engine_maps_its_pool_only_when_asked(stories_path):
     kw = dict(kv_cache_memory=64 << 20, max_model_len=256, calibrate_preemption=False)
     lazy = LLM(stories_path, **kw).llm_engine
     eager = LLM(stories_path, populate_kv_cache=True, **kw).llm_engine
-    assert _resident_bytes(lazy.kv_pool.data) < lazy.kv_pool.num_bytes // 2
-    assert _resident_bytes(eager.kv_pool.data) >= eager.kv_pool.num_bytes
+    lazy_pool, eager_pool = lazy.executor.worker.kv_pool, eager.executor.worker.kv_pool
+    assert _resident_bytes(lazy_pool.data) < lazy_pool.num_bytes // 2
+    assert _resident_bytes(eager_pool.data) >= eager_pool.num_bytes
 
 
 def test_serve_populates_by_default_and_the_flag_turns_it_off():

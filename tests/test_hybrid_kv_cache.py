@@ -50,7 +50,7 @@ def _step(kv, rid: str, tokens: list[int], new: list[int]) -> None:
     assert kv.allocate_slots(rid, len(new))
     tokens.extend(new)
     req = SimpleNamespace(request_id=rid, all_token_ids=tokens, num_computed_tokens=len(tokens))
-    kv.cache_computed_blocks([SimpleNamespace(request=req)])
+    kv.cache_computed_blocks([req])
 
 
 def _live(table: list[int]) -> int:

@@ -165,7 +165,7 @@ def test_subscriber_view_equals_pool(stories_path, tmp_path, mode):
         assert eng.kv.pool.num_evictions > 0 and view.num_removed > 0
         assert sum(o.metrics.num_preemptions for o in outs) > 0
         if mode == "swap":
-            assert eng.swap_stats["out_blocks"] > 0
+            assert eng.swaps.out_blocks > 0
         assert view.num_cleared == 1 and view.num_stored > len(view.blocks)
     finally:
         sub.close(linger=0)

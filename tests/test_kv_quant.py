@@ -382,7 +382,7 @@ def _admitted(path, kv_cache_dtype: str) -> tuple[int, int]:
     # Admission is limited by free blocks alone (token budget and max_num_seqs are ample).
     so = eng.scheduler.schedule()
     running = len(eng.scheduler.running)
-    assert len(so.scheduled) == running
+    assert len(so.req_ids) == running
     for rid in rids:
         eng.abort_request(rid)
     return llm.ledger().total_blocks, running

@@ -89,7 +89,7 @@ def test_hybrid_model_sliding_groups_hold_only_their_window(tmp_path):
     hf = build_hf_model(tiny_config("gemma3"), tmp_path)
     llm = LLM(str(tmp_path), block_size=4, max_num_batched_tokens=8, calibrate_preemption=False)
     eng = llm.engine
-    assert eng.kv_layout.windows == [None, 6, 6] and eng.kv_pool.num_layers == 1
+    assert eng.kv_layout.windows == [None, 6, 6] and eng.executor.worker.kv_pool.num_layers == 1
     prompt = torch.randint(3, 97, (30,), generator=torch.Generator().manual_seed(5)).tolist()
     eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), request_id="r")
     bound = cdiv(6 - 1 + 8, 4) + 1  # the window before a chunk of 8, plus a partial block
@@ -138,7 +138,7 @@ def test_disable_hybrid_kv_cache_manager_keeps_one_table(tmp_path):
     hf = build_hf_model(tiny_config("gemma2"), tmp_path)
     llm = LLM(str(tmp_path), block_size=4, calibrate_preemption=False, disable_hybrid_kv_cache_manager=True)
     eng = llm.engine
-    assert not eng.kv_layout.is_hybrid and eng.kv_pool.num_layers == 3 and not eng.kv.windowed
+    assert not eng.kv_layout.is_hybrid and eng.executor.worker.kv_pool.num_layers == 3 and not eng.kv.windowed
     prompt = list(range(5, 25))
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)

@@ -15,10 +15,11 @@ from model_factory import PagedDriver, build_hf_model, tiny_config
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from kvledger.errors import ConfigError, UnsupportedArchitectureError
+from kvledger.hf.tokenizer import load_tokenizer
 from kvledger.kernels import native
 from kvledger.model.attention import torch_backend
 from kvledger.model.layers import Linear
-from kvledger.model.loader import load_model, load_tokenizer
+from kvledger.model.loader import load_model
 from kvledger.storage.kv_cache import HostKVPool, KVCachePool
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260k"

@@ -702,7 +702,7 @@ def test_bf16_request_alone_is_bit_identical_to_the_same_request_in_a_full_batch
     prompts, params = mixed_workload(24, seed=5)
     params = [SamplingParams(temperature=0, max_tokens=sp.max_tokens + 16, ignore_eos=True, logprobs=0) for sp in params]
     llm = LLM(str(stories_path), dtype="bfloat16", calibrate_preemption=False, enable_prefix_caching=False)
-    assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.native_small
+    assert llm.engine.executor.worker.model.model.layers[0].self_attn.qkv_proj.native_small
     alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0] for p, sp in zip(prompts, params)]
     batch = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in batch] == [o.token_ids for o in alone]

@@ -22,8 +22,8 @@ def _req(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
 def _step(sched: Scheduler, now: float) -> tuple[int, int]:
     """One step; returns (prefill tokens, decode rows) scheduled."""
     so = sched.schedule()
-    prefill = sum(s.num_new_tokens for s in so.scheduled if s.num_new_tokens > 1)
-    decodes = sum(1 for s in so.scheduled if s.num_new_tokens == 1)
+    prefill = sum(n for n in so.num_scheduled_tokens if n > 1)
+    decodes = sum(1 for n in so.num_scheduled_tokens if n == 1)
     sched.update_from_output(so, lambda r: 9, now=now)
     return prefill, decodes
 

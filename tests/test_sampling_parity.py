@@ -124,7 +124,7 @@ def test_min_tokens_masks_eos_and_stop_ids_and_bad_words(llm, hf):
     word = tok.decode(pair).strip()
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, bad_words=[word]),
                        use_tqdm=False)[0].outputs[0]  # fmt: skip
-    seqs = llm.llm_engine._bad_words_token_ids([word])
+    seqs = llm.llm_engine.inputs.bad_words_token_ids([word])
     for s in seqs:
         assert not any(out.token_ids[i : i + len(s)] == s for i in range(len(out.token_ids)))
 

@@ -256,14 +256,13 @@ def test_static_batch_admits_nothing_until_the_whole_batch_finished():
 
 
 def test_step_time_is_the_cost_formula_plus_swap_traffic():
-    from kvledger.core.request import Request
-    from kvledger.core.scheduler import ScheduledRequest, SchedulerOutput
-    from kvledger.sampling_params import SamplingParams
+    from kvledger.core.sched_output import SchedulerOutput
 
     cm = StepCostModel(a=1.0, b=0.1, c=0.01, d=0.001, swap_bandwidth=100.0)
-    req = Request("r", list(range(10)), SamplingParams())
-    req.num_computed_tokens = 6
-    so = SchedulerOutput(step=1, scheduled=[ScheduledRequest(req, 4)], blocks_to_swap_out=[(0, 0)])
+    so = SchedulerOutput(
+        step=1, req_ids=["r"], num_scheduled_tokens=[4], num_computed_tokens=[6],
+        blocks_to_swap_out=[(0, 0)],
+    )
     # 4 tokens after 6: context 10, pairs 4 * (6 + 2.5) = 34; one 50-byte block out at 100 B/s
     assert cm.step_time(so, bytes_per_block=50) == pytest.approx(1 + 0.4 + 0.1 + 0.034 + 0.5)
 

@@ -23,7 +23,7 @@ def _step(kv: KVCacheManager, rid: str, tokens: list[int], new: list[int]) -> No
     assert kv.allocate_slots(rid, len(new))
     tokens.extend(new)
     req = SimpleNamespace(request_id=rid, all_token_ids=tokens, num_computed_tokens=len(tokens))
-    kv.cache_computed_blocks([SimpleNamespace(request=req)])
+    kv.cache_computed_blocks([req])
 
 
 def test_first_live_block_by_hand():

@@ -35,8 +35,11 @@ def per_request_state(app) -> dict[str, int]:
         "async_engine.streams": len(aengine._streams),
         "metrics.last": len(metrics._last),
     }
-    if eng.runner.overlay is not None:
-        sizes["overlay.states"] = len(eng.runner.overlay.states)
+    runner = eng.executor.worker.runner
+    sizes["runner.requests"] = len(runner.requests)
+    sizes["runner.block_table"] = len(runner.block_table)
+    if runner.overlay is not None:
+        sizes["overlay.states"] = len(runner.overlay.states)
     return sizes
 
 
@@ -44,7 +47,7 @@ def per_request_state(app) -> dict[str, int]:
 def live_app(request):
     if not (STORIES / "config.json").exists():
         pytest.skip(f"stories260k not found at {STORIES}")
-    engine = LLMEngine(
+    engine = LLMEngine.from_config(
         build_engine_config(
             str(STORIES),
             num_kv_blocks=64,  # small: the load below preempts
@@ -152,7 +155,7 @@ def test_every_gemm_shape_a_step_can_bring_exists_before_the_first_request(stori
     llm = LLM(str(stories_path), num_kv_blocks=64, calibrate_preemption=False, warm_up_gemm_shapes=True)
     eng = llm.llm_engine
     sc = eng.config.scheduler
-    model = eng.model
+    model = eng.executor.worker.model
     head = model.__dict__.get("tied_head") or model.lm_head
     linears = {}  # one per weight shape, with the most rows a step gives it
     for m in [*model.modules(), head]:
@@ -173,7 +176,7 @@ def test_a_whole_text_bpe_cache_stops_growing_after_a_thousand_prompts(stories_p
     entries grew a server by 44 MiB over its first ~27,000 requests)."""
     import random
 
-    from kvledger.model.loader import BPE_CACHE_WHOLE_TEXT, load_tokenizer
+    from kvledger.hf.tokenizer import BPE_CACHE_WHOLE_TEXT, load_tokenizer
 
     tok = load_tokenizer(stories_path)
     assert tok.backend_tokenizer.pre_tokenizer is None

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-import kvledger.core.engine as engine_mod
+import kvledger.core.builder as engine_mod
 from kvledger import LLM, SamplingParams
 from kvledger.errors import ConfigError, EngineFailedError
 from kvledger.ledger.accounting import ModelSpec, kv_bytes_per_token
@@ -75,7 +75,7 @@ def test_tp2_is_token_identical_to_tp1(pair):
 def test_every_rank_warms_its_gemm_shapes_at_start_up(pair):
     """`kvledger serve` creates every oneDNN GEMM shape at start-up so memory starts at its
     plateau (issue 23); under TP the ranks run the GEMMs, so each must do it for its shards."""
-    ranks = pair[3].llm_engine.tp_ranks
+    ranks = pair[3].llm_engine.executor.ranks
     assert len(ranks) == 2 and all(r.gemm_shapes_warmed > 0 for r in ranks), ranks
     assert ranks[0].gemm_shapes_warmed == ranks[1].gemm_shapes_warmed  # same shard shapes
 

@@ -247,7 +247,7 @@ def test_llm_with_triton_backend_equals_hf_greedy(stories_path):
         num_kv_blocks=24,
         calibrate_preemption=False,
     )
-    assert llm.engine.attention_backend == "triton"
+    assert llm.engine.executor.worker.spec.attention_backend == "triton"
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     first = llm.generate([a, c], sp, use_tqdm=False)
     second = llm.generate([b], sp, use_tqdm=False)

@@ -7,6 +7,7 @@ import inspect
 
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.engine import LLMEngine
+from kvledger.core.input_processor import InputProcessor
 from kvledger.core.request import Request
 from kvledger.core.scheduler import Scheduler
 from kvledger.sampling_params import SamplingParams
@@ -22,7 +23,7 @@ def _run(params: SamplingParams, tokens: list[int]) -> Request:
     while not req.is_finished:
         step += 1
         so = sched.schedule()
-        due = {s.request.request_id: next(feed) for s in so.scheduled}
+        due = {rid: next(feed) for rid in so.req_ids}
         updated = sched.update_from_output(so, due, now=float(step))
         assert updated == [req]
     assert sched.kv.num_used_blocks == 0 and not sched.has_unfinished()
@@ -45,7 +46,8 @@ def test_engine_and_simulator_share_it():
     """No second copy: both call the scheduler's update (and its prompt check)."""
     assert "update_from_output" in inspect.getsource(LLMEngine.step)
     assert "update_from_output" in inspect.getsource(simulator.apply_step_update)
-    assert "check_prompt" in inspect.getsource(LLMEngine.validate_prompt)
+    assert "check_prompt" in inspect.getsource(InputProcessor.validate_prompt)
+    assert "scheduler.check_prompt" in inspect.getsource(LLMEngine)
     assert "check_prompt" in inspect.getsource(simulator.Simulator._validate)
     for src in (inspect.getsource(LLMEngine), inspect.getsource(simulator)):
         assert "append_output_token" not in src and "max_output_tokens" not in src

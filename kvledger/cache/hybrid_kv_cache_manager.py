@@ -188,9 +188,9 @@ class HybridKVCacheManager:
             g.allocate_many(items, checked=True)
         return True
 
-    def cache_computed_blocks(self, scheduled) -> None:
+    def cache_computed_blocks(self, requests) -> None:
         for g in self.groups:
-            g.cache_computed_blocks(scheduled)
+            g.cache_computed_blocks(requests)
 
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         for g in self.groups:

@@ -382,16 +382,15 @@ class KVCacheManager:
             self.allocate_slots(rid, n)
         return True
 
-    def cache_computed_blocks(self, scheduled) -> None:
-        """``cache_blocks`` for a step's requests (objects with ``.request``): the per-step
-        hot path, which skips in line the requests that filled no new block."""
+    def cache_computed_blocks(self, requests) -> None:
+        """``cache_blocks`` for a step's requests: the per-step hot path, which skips in line
+        the requests that filled no new block."""
         window = self.sliding_window
         if not self.enable_prefix_caching and window is None:
             return
         bs = self.block_size
         reqs = self.requests
-        for s in scheduled:
-            req = s.request
+        for req in requests:
             rid = req.request_id
             if self.enable_prefix_caching and req.num_computed_tokens // bs > len(reqs[rid].block_hashes):
                 self.cache_blocks(rid, req.all_token_ids, req.num_computed_tokens)

@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         engine = AsyncCoreEngine.launch(engine_config, torch_threads=args.torch_threads)
         info = engine.info
     else:
-        engine = LLMEngine(engine_config)
+        engine = LLMEngine.from_config(engine_config)
         info = EngineInfo.from_engine(engine)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     log.info("model %s served as %s", info.model, ", ".join(repr(n) for n in names))

@@ -1,27 +1,36 @@
 """Start-up measurement for the preemption cost model: copy bandwidth and prefill time.
 
 Swap cost is measured by swapping real blocks out to the host pool and back; recompute cost
-by timing real prefills at a few lengths and fitting t(n) = c0 + c1 n + c2 n^2 (attention
-makes it super-linear). The crossover where swapping becomes cheaper then *comes out of*
-these numbers; nothing about "short vs long" is hard-coded.
+by timing real prefills at a few lengths through the executor, and fitting
+t(n) = c0 + c1 n + c2 n^2 (attention makes it super-linear). The crossover where swapping
+becomes cheaper then *comes out of* these numbers; nothing about "short vs long" is
+hard-coded. The functions return numbers; the builder puts them into the cost model.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvledger.core.request import Request
-from kvledger.core.scheduler import ScheduledRequest, SchedulerOutput
+from kvledger.cache.kv_cache_manager import KVCacheManager
+from kvledger.core.sched_output import NewRequestData, SchedulerOutput
+from kvledger.executor.base import Executor
 from kvledger.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from kvledger.core.engine import LLMEngine
-
 logger = logging.getLogger("kvledger")
+
+CALIBRATION_REQUEST = "__calibrate__"
+
+
+@dataclass
+class Calibration:
+    prefill_coeffs: tuple[float, float, float] | None = None  # c0 + c1 n + c2 n^2 seconds
+    swap_bandwidth: float | None = None  # bytes/s each way
+    swap_fixed_s: float | None = None  # one swap-out + swap-in of one block
+    info: dict = field(default_factory=dict)  # what was measured (the engine reports it)
 
 
 def _timed(fn, repeats: int) -> float:
@@ -33,46 +42,54 @@ def _timed(fn, repeats: int) -> float:
     return best
 
 
-def measure_prefill(engine: LLMEngine, lengths: list[int], repeats: int = 2) -> list[float]:
+def _prefill_step(kv: KVCacheManager, n: int) -> SchedulerOutput:
+    """A step that prefills ``n`` tokens of a request the runner has never seen."""
+    params = SamplingParams(max_tokens=1, temperature=0)
+    return SchedulerOutput(
+        step=0,
+        req_ids=[CALIBRATION_REQUEST],
+        num_scheduled_tokens=[n],
+        num_computed_tokens=[0],
+        new_reqs=[NewRequestData(CALIBRATION_REQUEST, [1] * n, params)],
+        table_deltas=kv.take_table_deltas(),
+    )
+
+
+def _forget(executor: Executor, kv: KVCacheManager) -> None:
+    """Free the calibration request's blocks and have the runner drop it."""
+    kv.free(CALIBRATION_REQUEST)
+    executor.execute_model(
+        SchedulerOutput(step=0, finished_req_ids=[CALIBRATION_REQUEST], table_deltas=kv.take_table_deltas())
+    )
+
+
+def measure_prefill(
+    executor: Executor, kv: KVCacheManager, lengths: list[int], repeats: int = 2
+) -> list[float]:
     """Seconds for one prefill of each length, through the real runner and a real block table.
 
     Only the shortest length is warmed up (it pages the weights in); the long ones are timed
     once more than needed only when they are cheap, so start-up stays short on large models.
     """
-    kv, runner = engine.kv, engine.runner
     out = []
     for i, n in enumerate(lengths):
-        req = Request("__calibrate__", [1] * n, SamplingParams(max_tokens=1, temperature=0))
-        if not kv.allocate_slots(req.request_id, n):
+        if not kv.allocate_slots(CALIBRATION_REQUEST, n):
             break
-        so = SchedulerOutput(step=0, scheduled=[ScheduledRequest(req, n)], table_deltas=kv.take_table_deltas())
+        so = _prefill_step(kv, n)
+        rerun = SchedulerOutput(
+            step=0, req_ids=so.req_ids, num_scheduled_tokens=[n], num_computed_tokens=[0]
+        )  # the same prefill again: the runner knows the request and its table now
         try:
             if i == 0:
-                runner.execute(so)  # warm-up
-            t = _timed(lambda so=so: runner.execute(so), 1)
+                executor.execute_model(so)  # warm-up
+                so = rerun
+            t = _timed(lambda so=so: executor.execute_model(so), 1)
             if t < 0.05 and repeats > 1:
-                t = min(t, _timed(lambda so=so: runner.execute(so), repeats - 1))
+                t = min(t, _timed(lambda rerun=rerun: executor.execute_model(rerun), repeats - 1))
             out.append(t)
         finally:
-            kv.free(req.request_id)
+            _forget(executor, kv)
     return out
-
-
-def measure_swap_bandwidth(engine: LLMEngine, num_blocks: int = 32, repeats: int = 3) -> float | None:
-    """Bytes per second of one batched block copy each way (device <-> host)."""
-    host = engine.host_pool
-    if host is None:
-        return None
-    n = min(num_blocks, host.num_blocks, engine.kv_pool.num_blocks)
-    pairs = [(i, i) for i in range(n)]
-    host.swap_out(pairs)  # warm-up
-    t_out = _timed(lambda: host.swap_out(pairs), repeats)
-    t_in = _timed(lambda: host.swap_in(pairs), repeats)
-    t_fixed = _timed(lambda: (host.swap_out(pairs[:1]), host.swap_in(pairs[:1])), repeats)
-    nbytes = n * engine.kv.bytes_per_block
-    bw = 2 * nbytes / max(t_out + t_in - t_fixed, 1e-9)
-    engine.cost_model.swap_fixed_s = t_fixed
-    return bw
 
 
 def fit_prefill(lengths: list[int], seconds: list[float]) -> tuple[float, float, float]:
@@ -89,24 +106,23 @@ def fit_prefill(lengths: list[int], seconds: list[float]) -> tuple[float, float,
     return float(coef[0]), float(coef[1]), float(coef[2])
 
 
-def calibrate_cost_model(engine: LLMEngine, max_len: int = 256) -> None:
-    """Fill the engine's cost model from measurements (about a second on small models)."""
+def calibrate(executor: Executor, kv: KVCacheManager, max_model_len: int, max_len: int = 256) -> Calibration:
+    """Measure prefill times and the swap bandwidth (about a second on small models)."""
     t0 = time.perf_counter()
-    cap = min(max_len, 256, engine.max_model_len - 1, engine.kv.pool.num_blocks * engine.kv.block_size)
+    cap = min(max_len, 256, max_model_len - 1, kv.pool.num_blocks * kv.block_size)
     lengths = sorted({n for n in (16, 64) if n < cap} | {cap})
-    seconds = measure_prefill(engine, lengths)
-    cm = engine.cost_model
+    seconds = measure_prefill(executor, kv, lengths)
+    cal = Calibration()
     if len(seconds) >= 2:
-        cm.prefill_coeffs = fit_prefill(lengths, seconds)
-    bw = measure_swap_bandwidth(engine)
-    if bw:
-        cm.swap_bandwidth = bw
-    engine.calibration = {
+        cal.prefill_coeffs = fit_prefill(lengths, seconds)
+    swap = executor.time_swap(32, 3)
+    if swap is not None:
+        n, t_out, t_in, t_fixed = swap
+        cal.swap_bandwidth = 2 * n * kv.bytes_per_block / max(t_out + t_in - t_fixed, 1e-9)
+        cal.swap_fixed_s = t_fixed
+    cal.info = {
         "prefill_lengths": lengths[: len(seconds)],
         "prefill_seconds": seconds,
-        "swap_bandwidth_bytes_per_s": cm.swap_bandwidth,
-        "swap_fixed_s": cm.swap_fixed_s,
-        "crossover_tokens": cm.crossover_tokens(engine.bytes_per_token),
         "seconds": time.perf_counter() - t0,
     }
-    logger.info("preemption cost model calibrated: %s", engine.calibration)
+    return cal

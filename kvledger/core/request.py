@@ -37,6 +37,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
+    # Tokens the runner(s) have been sent (0: not yet seen; see SchedulerOutput.new_token_ids).
+    num_synced_tokens: int = 0
     last_resumed_step: int = -1
     admitted_step: int = -1
     waiting_since_step: int = 0
@@ -60,9 +62,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    generator: object | None = None  # torch.Generator for seeded sampling (runner-owned)
     bad_words_token_ids: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
-    sampling_state: object | None = None  # model.logits_processor.SamplingState (sampler-owned)
     grammar: object | None = None  # kvledger.structured.state.GrammarState when constrained
     all_token_ids: list[int] = field(init=False)
 

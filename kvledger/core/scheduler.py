@@ -11,42 +11,54 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from kvledger.cache.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvledger.cache.kv_cache_manager import KVCacheManager
-from kvledger.cache.table_delta import TableDeltas
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel, select_victim
 from kvledger.core.request import Request, RequestStatus
+from kvledger.core.sched_output import NewRequestData, SchedulerOutput
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
+def build_kv_manager(
+    config: SchedulerConfig,
+    cache: CacheConfig,
+    num_blocks: int,
+    bytes_per_token: int,
+    sliding_window: int | None = None,
+    group_windows: list[int | None] | None = None,
+) -> KVCacheManager | HybridKVCacheManager:
+    """The block manager for a pool of ``num_blocks`` (engine builder and simulator).
+    ``sliding_window``: every layer attends to a window (see KVCacheManager).
+    ``group_windows``: a hybrid model's KV cache groups (kvledger.cache.kv_cache_groups), each
+    group's window; ``bytes_per_token`` is then one pool slot (a group's layers).
 
-
-@dataclass
-class SchedulerOutput:
-    step: int
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # COW (src, dst)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    preempted: list[tuple[str, str]] = field(default_factory=list)  # (request_id, mode)
-    admitted: list[str] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)  # ended by the scheduler itself
-    # Block-table changes since the previous step's output (the runner's only view of them).
-    table_deltas: TableDeltas = field(default_factory=TableDeltas)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.finished
+    The host swap pool holds ``swap_space`` GiB, at most as many blocks as the device pool,
+    and none when preemption is recompute-only.
+    """
+    bytes_per_block = bytes_per_token * cache.block_size
+    num_host = min(int(cache.swap_space * (1 << 30)) // bytes_per_block, num_blocks)
+    if config.preemption_mode == "recompute":
+        num_host = 0
+    if group_windows is not None and len(group_windows) > 1:
+        return HybridKVCacheManager(
+            num_blocks,
+            cache.block_size,
+            group_windows,
+            bytes_per_token=bytes_per_token,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            num_host_blocks=num_host,
+            hash_algo=cache.prefix_caching_hash_algo,
+        )
+    return KVCacheManager(
+        num_blocks,
+        cache.block_size,
+        bytes_per_token=bytes_per_token,
+        enable_prefix_caching=cache.enable_prefix_caching,
+        num_host_blocks=num_host,
+        sliding_window=sliding_window,
+        hash_algo=cache.prefix_caching_hash_algo,
+    )
 
 
 class Scheduler:
@@ -61,38 +73,8 @@ class Scheduler:
         sliding_window: int | None = None,
         group_windows: list[int | None] | None = None,
     ) -> Scheduler:
-        """The block manager and scheduler for a pool of ``num_blocks`` (engine and simulator).
-        ``sliding_window``: every layer attends to a window (see KVCacheManager).
-        ``group_windows``: a hybrid model's KV cache groups (kvledger.cache.kv_cache_groups), each
-        group's window; ``bytes_per_token`` is then one pool slot (a group's layers).
-
-        The host swap pool holds ``swap_space`` GiB, at most as many blocks as the device pool,
-        and none when preemption is recompute-only.
-        """
-        bytes_per_block = bytes_per_token * cache.block_size
-        num_host = min(int(cache.swap_space * (1 << 30)) // bytes_per_block, num_blocks)
-        if config.preemption_mode == "recompute":
-            num_host = 0
-        if group_windows is not None and len(group_windows) > 1:
-            kv = HybridKVCacheManager(
-                num_blocks,
-                cache.block_size,
-                group_windows,
-                bytes_per_token=bytes_per_token,
-                enable_prefix_caching=cache.enable_prefix_caching,
-                num_host_blocks=num_host,
-                hash_algo=cache.prefix_caching_hash_algo,
-            )
-        else:
-            kv = KVCacheManager(
-                num_blocks,
-                cache.block_size,
-                bytes_per_token=bytes_per_token,
-                enable_prefix_caching=cache.enable_prefix_caching,
-                num_host_blocks=num_host,
-                sliding_window=sliding_window,
-                hash_algo=cache.prefix_caching_hash_algo,
-            )
+        """A scheduler over a new block manager (``build_kv_manager``): the simulator's."""
+        kv = build_kv_manager(config, cache, num_blocks, bytes_per_token, sliding_window, group_windows)
         return cls(config, kv, cost_model)
 
     def __init__(
@@ -100,6 +82,7 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager | HybridKVCacheManager,
         cost_model: PreemptionCostModel | None = None,
+        rope_long_from: int | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
@@ -114,9 +97,12 @@ class Scheduler:
         self.num_preemptions = {"swap": 0, "recompute": 0}
         # LongRoPE models (original_max_position_embeddings): a sequence longer than this uses
         # the long factors for every position, as HF, which recomputes the whole cache when a
-        # sequence first crosses it. Set by the engine; None: no such switch.
-        self.rope_long_from: int | None = None
+        # sequence first crosses it. None: no such switch.
+        self.rope_long_from = rope_long_from
         self.num_rope_recomputes = 0
+        # Requests finished since the last step that the runner(s) know (SchedulerOutput's
+        # finished_req_ids).
+        self.finished_req_ids: list[str] = []
 
     # -- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -140,20 +126,25 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def finish_request(self, request: Request, reason: str) -> None:
-        """Retire a request now: its blocks go straight back to the pool."""
+        """Retire a request now: its blocks go straight back to the pool, and the runner(s)
+        drop what they keep of it with the next step. A request the scheduler never held (an
+        n > 1 child not yet forked, one still compiling its grammar) is only marked."""
         if request.is_finished:
             return
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        elif request.status is RequestStatus.SWAPPED:
-            self.swapped.remove(request)
-        if request.request_id in self.kv.requests:
-            self.kv.free(request.request_id)
+        if self.requests.get(request.request_id) is request:
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status is RequestStatus.WAITING:
+                self.waiting.remove(request)
+            elif request.status is RequestStatus.SWAPPED:
+                self.swapped.remove(request)
+            if request.request_id in self.kv.requests:
+                self.kv.free(request.request_id)
+            del self.requests[request.request_id]
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.requests.pop(request.request_id, None)
+        if request.num_synced_tokens:
+            self.finished_req_ids.append(request.request_id)
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -170,7 +161,7 @@ class Scheduler:
 
         # 1. Running requests first: a decode token each, or the next prefill chunk.
         #    (The per-step hot path: plain attribute reads, no per-request method calls.)
-        plan: list[ScheduledRequest] = []
+        plan: list[tuple[Request, int]] = []  # (request, new tokens), in batch order
         items: list[tuple[str, int]] = []  # (request_id, tokens) for the block manager
         total_blocks = self.kv.pool.num_blocks
         windowed = self.kv.windowed
@@ -201,12 +192,12 @@ class Scheduler:
             if alone > total_blocks:
                 ended.append(req)  # it can never fit, even alone: stop it (after the loop)
                 continue
-            plan.append(ScheduledRequest(req, n))
+            plan.append((req, n))
             items.append((req.request_id, n))
             budget -= n
         for req in ended:
             self.finish_request(req, "length")
-            out.finished.append(req)
+            out.ended.append(req.request_id)
 
         # 2. Preempt until the planned tokens' blocks fit.
         while plan and not self.kv.fits_many(items, self.config.max_num_batched_tokens - budget):
@@ -216,16 +207,15 @@ class Scheduler:
                 self.step,
                 self.config.max_preemptions_before_protect,
             )
-            for i, s in enumerate(plan):
-                if s.request is victim:
-                    budget += s.num_new_tokens
+            for i, (r, n) in enumerate(plan):
+                if r is victim:
+                    budget += n
                     del plan[i]
                     del items[i]
                     break
             self._preempt(victim, out)
         ok = self.kv.allocate_many(items, checked=True)
         assert ok, "blocks were reserved for the running requests"
-        out.scheduled.extend(plan)
 
         # 3. Swapped-out requests come back before anything new is admitted (FCFS).
         while (
@@ -249,7 +239,7 @@ class Scheduler:
             ok = self.kv.allocate_slots(req.request_id, n)
             assert ok
             self._start_running(req)
-            out.scheduled.append(ScheduledRequest(req, n))
+            plan.append((req, n))
             budget -= n
 
         # 4. Admit waiting requests FCFS while budget, seats and blocks allow.
@@ -292,7 +282,7 @@ class Scheduler:
                 self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
             self._start_running(req)
             out.admitted.append(req.request_id)
-            out.scheduled.append(ScheduledRequest(req, n))
+            plan.append((req, n))
             budget -= n
             prefill_left -= n
 
@@ -302,6 +292,51 @@ class Scheduler:
             req.steps_waited += 1
         out.blocks_to_copy = self.kv.take_block_copies()
         out.table_deltas = self.kv.take_table_deltas()
+        self._describe_batch(plan, out)
+        return out
+
+    def _describe_batch(self, plan: list[tuple[Request, int]], out: SchedulerOutput) -> None:
+        """The batch as plain data for the runner(s): ids, new and computed tokens, each new
+        request's prompt and parameters once, and the tokens each request gained since the
+        runner last saw it."""
+        out.req_ids = [r.request_id for r, _ in plan]
+        out.num_scheduled_tokens = [n for _, n in plan]
+        out.num_computed_tokens = [r.num_computed_tokens for r, _ in plan]
+        new_tokens = out.new_token_ids
+        for req, _ in plan:
+            sent = req.num_synced_tokens
+            if not sent:
+                out.new_reqs.append(self._new_request_data(req))
+                sent = req.num_synced_tokens
+            if len(req.all_token_ids) > sent:
+                new_tokens[req.request_id] = req.all_token_ids[sent:]
+                req.num_synced_tokens = len(req.all_token_ids)
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
+
+    @staticmethod
+    def _new_request_data(req: Request) -> NewRequestData:
+        """A request the runner has not seen: its prompt (its outputs follow as new tokens) and
+        its unforked n > 1 children, which the runner keeps from now on too."""
+        req.num_synced_tokens = req.num_prompt_tokens
+        for child in req.children:
+            child.num_synced_tokens = child.num_prompt_tokens
+        return NewRequestData(
+            req_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=req.sampling_params,
+            index=req.index,
+            children=[(c.request_id, c.index) for c in req.children],
+            bad_words_token_ids=req.bad_words_token_ids,
+        )
+
+    def take_finished_ids(self) -> SchedulerOutput | None:
+        """An empty step that only tells the runner(s) which requests finished, or None when
+        none did since the last step (the engine sends it when it goes idle, so an idle server
+        keeps nothing of a finished request)."""
+        if not self.finished_req_ids:
+            return None
+        out = SchedulerOutput(step=self.step, table_deltas=self.kv.take_table_deltas())
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
 
     def _kv_salt(self, req: Request) -> str | None:
@@ -342,14 +377,15 @@ class Scheduler:
         Shared by the engine and the simulator, so both advance requests identically.
         """
         due = []
-        for s in so.scheduled:
-            req = s.request
+        requests = self.requests
+        reqs = [requests[rid] for rid in so.req_ids]
+        for req, n in zip(reqs, so.num_scheduled_tokens):
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += n
             if req.num_computed_tokens == len(req.all_token_ids):
                 due.append(req)
-        self.kv.cache_computed_blocks(so.scheduled)
+        self.kv.cache_computed_blocks(reqs)
         return due
 
     def update_from_output(

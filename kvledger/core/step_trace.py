@@ -18,7 +18,7 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvledger.core.scheduler import SchedulerOutput
+    from kvledger.core.sched_output import SchedulerOutput
 
 ENV = "KVLEDGER_STEP_TRACE"
 FLUSH_STEPS = 4096
@@ -35,16 +35,15 @@ class StepTrace:
         return cls(path) if path else None
 
     @staticmethod
-    def composition(so: SchedulerOutput) -> tuple[int, int]:
+    def composition(so: SchedulerOutput, requests: dict) -> tuple[int, int]:
         """(prefill tokens, decodes) of a scheduled step, before it runs: a decode is one new
         token at the end of a request whose every earlier token is computed."""
         prefill = decodes = 0
-        for s in so.scheduled:
-            req = s.request
-            if s.num_new_tokens == 1 and req.num_computed_tokens == req.num_tokens - 1:
+        for rid, n, computed in so.batch():
+            if n == 1 and computed == requests[rid].num_tokens - 1:
                 decodes += 1
             else:
-                prefill += s.num_new_tokens
+                prefill += n
         return prefill, decodes
 
     def record(self, start: float, end: float, composition: tuple[int, int], idle: bool) -> None:

@@ -60,19 +60,20 @@ def run_engine_core(
         from kvledger.engine.engine_info import EngineInfo
 
         try:
-            engine = LLMEngine(config)
+            engine = LLMEngine.from_config(config)
         except BaseException as e:  # a config error: the front end reports it, one line
             out.send_multipart([wire.DEAD, wire.dump(e)])
             code = 1
             return
         engine.stream_outputs = True
-        if not torch_threads and engine.device.type == "cpu" and engine.tp == 1:
+        worker = getattr(engine.executor, "worker", None)  # the in-process worker, if any
+        if not torch_threads and worker is not None and worker.device.type == "cpu":
             import torch
 
             from kvledger.engine.core_threads import MIN_WORK_S, choose_core_threads
 
             n = torch.get_num_threads()
-            threads, work = choose_core_threads(engine.model, n)
+            threads, work = choose_core_threads(worker.model, n)
             logger.info(
                 "engine core %d: %d torch thread(s): a decode step's matmuls take %.2f ms on one"
                 " (%d threads from %.1f ms; --torch-threads N to choose)",

@@ -1,15 +1,16 @@
-"""The driver's side of tensor parallelism: start (or wait for) the ranks, send each step's plan
-to all of them, collect the results, and notice a rank that dies or hangs.
+"""The driver's side of tensor parallelism: start (or wait for) the ranks, send each step's
+``SchedulerOutput`` to all of them, collect the results, and notice a rank that dies or hangs.
 
 The driver is not a rank (as vLLM v1's multiprocess executor): it runs the scheduler, the block
-manager, sampling and detokenisation, and no weights; every rank is a ``kvledger.worker``
-process, so a rank's failure never takes the driver's state with it. Messages go over one
-authenticated ``multiprocessing.connection`` per rank (pickled ``kvledger.executor.messages``);
-the tensors between ranks go through torch.distributed.
+manager and detokenisation, and no weights; every rank is a ``kvledger.worker`` process running
+the same ``Worker`` as the in-process executor (rank 0 samples), so a rank's failure never takes
+the driver's state with it. Messages go over one authenticated ``multiprocessing.connection``
+per rank (the step pickled once for all; ``kvledger.worker.messages``); the tensors between
+ranks go through torch.distributed.
 
 Faults: a step waits at most ``step_timeout_s`` for every rank; a rank that closes its
 connection, exits, reports an error (a collective that timed out on its side) or stays silent
-past the deadline makes ``execute`` raise ``WorkerFailedError`` naming the rank and the cause,
+past the deadline makes ``execute_model`` raise ``WorkerFailedError`` naming the rank and the cause,
 and every worker is stopped: the executor is dead from then on.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import secrets
 import signal
 import socket
@@ -27,15 +29,18 @@ import threading
 import time
 from multiprocessing.connection import Connection, Listener, wait
 
+from kvledger.core.sched_output import SchedulerOutput
 from kvledger.errors import ConfigError
-from kvledger.executor.messages import (
+from kvledger.executor.base import Executor
+from kvledger.worker.messages import (
     Shutdown,
-    StepPlan,
     StepResult,
     WorkerFailed,
     WorkerReady,
     WorkerSpec,
+    WorkerStats,
 )
+from kvledger.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger("kvledger")
 
@@ -57,7 +62,7 @@ def _parse(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class TPExecutor:
+class TPExecutor(Executor):
     def __init__(
         self,
         spec: WorkerSpec,
@@ -67,16 +72,17 @@ class TPExecutor:
         step_timeout_s: float = 60.0,
         start_timeout_s: float = 300.0,
     ) -> None:
-        self.world_size = world_size
+        self.num_ranks = world_size
         self.step_timeout_s = step_timeout_s
         self.dead: str | None = None
         self.procs: list[subprocess.Popen] = []
         self._logs: list[str] = []
         self.conns: list[Connection] = []
-        self.ready: list[WorkerReady] = []
+        self.ranks: list[WorkerReady] = []
+        self._stats = WorkerStats()  # rank 0's, from its last step
         # Totals over steps, for the benchmark: the driver's round trip per step, and each
         # rank's compute and time inside collectives (all-reduce / all-gather).
-        self.stats = {"steps": 0, "round_trip_s": 0.0, "compute_s": [0.0] * world_size,
+        self.timings = {"steps": 0, "round_trip_s": 0.0, "compute_s": [0.0] * world_size,
                       "collective_s": [0.0] * world_size, "collectives": [0] * world_size}
         if backend == "mp":
             authkey = secrets.token_hex(16).encode()
@@ -98,7 +104,7 @@ class TPExecutor:
             self._accept(start_timeout_s)
             for c in self.conns:
                 c.send(spec)
-            self.ready = [self._receive(r, start_timeout_s, "start") for r in range(world_size)]
+            self.ranks = [self._receive(r, start_timeout_s, "start") for r in range(world_size)]
         except BaseException:
             self.close()
             raise
@@ -109,12 +115,12 @@ class TPExecutor:
     def _spawn(self, spec: WorkerSpec, authkey: bytes) -> None:
         master_port = _free_port()
         host, port = self.address
-        for rank in range(self.world_size):
+        for rank in range(self.num_ranks):
             env = dict(os.environ)
             env.update(
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(self.world_size),
+                WORLD_SIZE=str(self.num_ranks),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(master_port),
                 KVLEDGER_TP_AUTHKEY=authkey.decode(),
@@ -140,14 +146,14 @@ class TPExecutor:
 
         def accept() -> None:
             try:
-                while len(got) < self.world_size:
+                while len(got) < self.num_ranks:
                     c = self._listener.accept()
                     _, rank, world = c.recv()
-                    if world != self.world_size:
+                    if world != self.num_ranks:
                         c.close()
                         raise ConfigError(
                             f"a worker of a {world}-rank group connected to a "
-                            f"{self.world_size}-rank driver"
+                            f"{self.num_ranks}-rank driver"
                         )
                     got[rank] = c
             except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
@@ -161,12 +167,12 @@ class TPExecutor:
             self._check_procs("start")
             if time.monotonic() > deadline:
                 raise WorkerFailedError(
-                    f"only {len(got)} of {self.world_size} tensor-parallel workers connected to "
+                    f"only {len(got)} of {self.num_ranks} tensor-parallel workers connected to "
                     f"{self.address[0]}:{self.address[1]} within {timeout_s:.0f} s"
                 )
         if errors:
             raise errors[0]
-        self.conns = [got[r] for r in range(self.world_size)]
+        self.conns = [got[r] for r in range(self.num_ranks)]
 
     def _receive(self, rank: int, timeout_s: float, what: str):
         c = self.conns[rank]
@@ -220,15 +226,17 @@ class TPExecutor:
         return (": " + " | ".join(tail)) if tail else ""
 
     # -- steps ------------------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> list[StepResult]:
-        """Send the plan to every rank; every rank's result (rank 0's carries the logits)."""
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Send the step to every rank (pickled once); rank 0's output, with the slowest
+        rank's swap times."""
         if self.dead is not None:
             raise WorkerFailedError(self.dead)
         t0 = time.perf_counter()
+        data = pickle.dumps(so, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for rank, c in enumerate(self.conns):
                 try:
-                    c.send(plan)
+                    c.send_bytes(data)
                 except (OSError, EOFError):
                     self._check_procs("take a step")
                     raise WorkerFailedError(
@@ -238,20 +246,31 @@ class TPExecutor:
         except WorkerFailedError as e:
             self._fail(str(e))
             raise
-        st = self.stats
+        st = self.timings
         st["steps"] += 1
         st["round_trip_s"] += time.perf_counter() - t0
         for r in results:
             st["compute_s"][r.rank] += r.compute_seconds
             st["collective_s"][r.rank] += r.collective_seconds
             st["collectives"][r.rank] += r.num_collectives
-        return results
+        self.last_results = results
+        self._stats = results[0].stats
+        out = results[0].output
+        out.swap_out_seconds = max(r.output.swap_out_seconds for r in results)
+        out.swap_in_seconds = max(r.output.swap_in_seconds for r in results)
+        return out
+
+    def stats(self) -> WorkerStats:
+        return self._stats
+
+    def shutdown(self) -> None:
+        self.close()
 
     def _gather(self) -> list[StepResult]:
         results: dict[int, StepResult] = {}
         rank_of = {id(c): r for r, c in enumerate(self.conns)}
         deadline = time.monotonic() + self.step_timeout_s
-        while len(results) < self.world_size:
+        while len(results) < self.num_ranks:
             pending = [c for r, c in enumerate(self.conns) if r not in results]
             left = deadline - time.monotonic()
             if left <= 0:
@@ -270,7 +289,7 @@ class TPExecutor:
                     raise WorkerFailedError(f"tensor-parallel rank {rank} failed: {msg.reason}")
                 results[rank] = msg
             self._check_procs("finish the step")
-        return [results[r] for r in range(self.world_size)]
+        return [results[r] for r in range(self.num_ranks)]
 
     def _fail(self, reason: str) -> None:
         if self.dead is None:

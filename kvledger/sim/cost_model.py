@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.core.preemption import PreemptionCostModel
-from kvledger.core.scheduler import SchedulerOutput
+from kvledger.core.sched_output import SchedulerOutput
 from kvledger.errors import ConfigError
 from kvledger.ledger.accounting import ModelSpec, kv_bytes_per_token
 
@@ -72,8 +72,7 @@ class StepCostModel:
         """(batched tokens, sum of context lengths, attended pairs); read right after schedule()."""
         tokens = ctx = 0
         pairs = 0.0
-        for s in so.scheduled:
-            start, n = s.request.num_computed_tokens, s.num_new_tokens
+        for n, start in zip(so.num_scheduled_tokens, so.num_computed_tokens):
             tokens += n
             ctx += start + n
             pairs += n * (start + (n + 1) / 2)

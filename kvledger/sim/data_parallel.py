@@ -26,7 +26,8 @@ from typing import Any
 from kvledger.cache.kv_events import KVEventBatch
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.request import Request
-from kvledger.core.scheduler import Scheduler, SchedulerOutput
+from kvledger.core.sched_output import SchedulerOutput
+from kvledger.core.scheduler import Scheduler
 from kvledger.errors import ConfigError
 from kvledger.router.policy import ROUTING_POLICIES, Decision, Router
 from kvledger.sampling_params import SamplingParams
@@ -140,14 +141,15 @@ def simulate_data_parallel(
         if rep.step is not None or not rep.sched.has_unfinished():
             return
         so = rep.sched.schedule()
-        if not (so.scheduled or so.blocks_to_swap_out or so.blocks_to_swap_in):
-            for req in so.finished:
+        if not (so.req_ids or so.blocks_to_swap_out or so.blocks_to_swap_in):
+            for rid in so.ended:
+                req = reqs[rid]
                 req.finished_time = req.finished_time or clock
                 _done(req)
-            stalls = 0 if (so.finished or so.preempted) else stalls + 1
+            stalls = 0 if (so.ended or so.preempted) else stalls + 1
             if stalls > 2 * num_replicas + 2:
                 raise SimulationStalled(f"replica {r}: nothing scheduled with work left")
-            if so.finished or so.preempted:
+            if so.ended or so.preempted:
                 start(r)
             return
         stalls = 0
@@ -165,10 +167,11 @@ def simulate_data_parallel(
     def finish_step(r: int) -> None:
         rep = reps[r]
         so, rep.step = rep.step, None
-        for req in so.finished:
+        for rid in so.ended:
+            req = reqs[rid]
             req.finished_time = req.finished_time or clock
             _done(req)
-        fresh = [s.request for s in so.scheduled if s.request.first_token_time is None]
+        fresh = [req for rid in so.req_ids if (req := reqs[rid]).first_token_time is None]
         finished = apply_step_update(rep.sched, so, token, clock)
         for req in fresh:
             if req.first_token_time is not None:

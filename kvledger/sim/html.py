@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.core.request import Request
-from kvledger.core.scheduler import SchedulerOutput
+from kvledger.core.sched_output import SchedulerOutput
 from kvledger.errors import ConfigError
 from kvledger.ledger.frame import capture_frame, series_point
 from kvledger.server.page import render_page

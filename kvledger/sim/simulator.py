@@ -28,7 +28,8 @@ from typing import Any
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.request import Request
-from kvledger.core.scheduler import Scheduler, SchedulerOutput
+from kvledger.core.sched_output import SchedulerOutput
+from kvledger.core.scheduler import Scheduler
 from kvledger.errors import ConfigError
 from kvledger.sampling_params import SamplingParams
 from kvledger.sim.cost_model import StepCostModel
@@ -342,17 +343,17 @@ class Simulator:
             dt = cost.step_time(so, self.bytes_per_block)
             rec.duration = dt
             steps.append(rec)
-            if not (so.scheduled or so.blocks_to_swap_out or so.blocks_to_swap_in):
-                for req in so.finished:
-                    record_finish(req, clock)
-                empty_steps = 0 if (so.finished or so.preempted) else empty_steps + 1
+            if not (so.req_ids or so.blocks_to_swap_out or so.blocks_to_swap_in):
+                for rid in so.ended:
+                    record_finish(by_id[rid][0], clock)
+                empty_steps = 0 if (so.ended or so.preempted) else empty_steps + 1
                 if empty_steps > 2:
                     raise SimulationStalled(self._stall_report(so))
                 continue
             empty_steps = 0
             clock += dt
-            for req in so.finished:
-                record_finish(req, clock)
+            for rid in so.ended:
+                record_finish(by_id[rid][0], clock)
             finished = apply_step_update(sched, so, token, clock)
             if on_step is not None:
                 on_step(so, clock, finished)
@@ -396,7 +397,7 @@ class Simulator:
             step=so.step,
             time=clock,
             duration=0.0,
-            num_batched_tokens=so.num_scheduled_tokens,
+            num_batched_tokens=so.total_num_scheduled_tokens,
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_swapped=len(sched.swapped),

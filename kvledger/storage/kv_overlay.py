@@ -33,7 +33,6 @@ SINK_CACHE_ENTRIES = 32  # prompts whose first S tokens' full-precision K/V are 
 @dataclass
 class _SlotState:
     slot: int
-    req: Any  # the Request holding the slot
     sink_from: int  # sink rows p in [sink_from, S) hold this request's own values (0 after a sink-cache hit)
     ring_from: int  # window rows p >= ring_from (and within the last R before hi) are valid
     hi: int  # positions < hi have been written into the slot
@@ -69,32 +68,19 @@ class OverlaySlots:
 
     @property
     def num_used(self) -> int:
-        """Slots held by live requests (without releasing the others: the ledger may be read
-        from another thread than the one stepping the engine)."""
-        return sum(1 for st in list(self.states.values()) if not st.req.is_finished)
+        """Slots held by requests the runner has not been told have finished."""
+        return len(self.states)
 
     @property
     def sink_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.sink_cache.values())
 
-    def sweep(self) -> None:
-        """Release the slots of finished requests."""
-        for rid, st in list(self.states.items()):
-            if st.req.is_finished:
-                self._release(rid)
-
-    def drop_removed(self, request_ids: list[str]) -> None:
-        """Release the slots of requests whose block tables were dropped without a preemption
-        (they left without finishing, as the calibration's request does); a recompute victim
-        keeps its slot."""
+    def release(self, request_ids: list[str]) -> None:
+        """Release the slots of requests that finished."""
         for rid in request_ids:
-            st = self.states.get(rid)
-            if st is not None and not st.req.num_preemptions:
-                self._release(rid)
-
-    def _release(self, rid: str) -> None:
-        st = self.states.pop(rid)
-        self.free.append(st.slot)
+            st = self.states.pop(rid, None)
+            if st is not None:
+                self.free.append(st.slot)
 
     def _take_slot(self) -> int:
         if not self.free:
@@ -104,15 +90,15 @@ class OverlaySlots:
         return self.free.pop()
 
     def annotate(self, meta: Any, reqs: list[Any]) -> None:
-        """Give each scheduled request its slot and tell attention which rows the slot holds."""
-        self.sweep()
+        """Give each scheduled request (``reqs``: the runner's states, with ``request_id`` and
+        ``all_token_ids``) its slot and tell attention which rows the slot holds."""
         S, R = self.S, self.R
         slots, sink_from, ring_from = [], [], []
         for req, n, end in zip(reqs, meta.query_lens_list, meta.seq_lens_list, strict=True):
             start = end - n
             st = self.states.get(req.request_id)
             if st is None:
-                st = _SlotState(self._take_slot(), req, start, start, start)
+                st = _SlotState(self._take_slot(), start, start, start)
                 self.states[req.request_id] = st
                 if start > 0:
                     self._sinks_from_cache(st, req)
@@ -152,10 +138,7 @@ class OverlaySlots:
                     continue
                 self.sink_cache[key] = self.pool.read_overlay_rows(st.slot, 0, S).clone()
                 if len(self.sink_cache) > self.sink_entries:
-                    _, old = self.sink_cache.popitem(last=False)
-                    release = getattr(old, "release", None)  # a TP driver's handle (distributed/)
-                    if release is not None:
-                        release()
+                    self.sink_cache.popitem(last=False)
 
     def _sinks_from_cache(self, st: _SlotState, req: Any) -> None:
         S = self.S
@@ -171,14 +154,14 @@ class OverlaySlots:
         self.pool.write_overlay_rows(st.slot, 0, hit)
         st.sink_from = 0
 
-    def fork(self, parent: Any, child: Any) -> None:
+    def fork(self, parent_id: str, child_id: str) -> None:
         """An n > 1 child starts with a copy of its parent's slot."""
-        p = self.states.get(parent.request_id)
-        if p is None or child.request_id in self.states:
+        p = self.states.get(parent_id)
+        if p is None or child_id in self.states:
             return
         slot = self._take_slot()
         self.pool.copy_overlay_slot(p.slot, slot)
-        self.states[child.request_id] = _SlotState(slot, child, p.sink_from, p.ring_from, p.hi)
+        self.states[child_id] = _SlotState(slot, p.sink_from, p.ring_from, p.hi)
 
 
 # -- the attention side: row substitutions --------------------------------------------------

@@ -15,20 +15,25 @@ from typing import Any
 from kvledger.core.request import Request
 from kvledger.errors import InvalidRequestError
 from kvledger.structured.backends import resolve_backend
+from kvledger.structured.bitmask import GrammarBitmask
 from kvledger.structured.compiler import GrammarCompiler
-from kvledger.structured.state import GrammarState
+from kvledger.structured.state import GrammarState, MaskBuffer
 
 logger = logging.getLogger("kvledger")
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], backend: str = "auto"
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._compiler: GrammarCompiler | None = None
         self.compiling: list[Request] = []  # parents waiting for their grammar, oldest first
-        self.backend = "auto"  # for params not resolved by the server: vLLM's default
+        self.backend = backend  # for params not resolved by the server (vLLM's default: auto)
+        self.masks = MaskBuffer()  # the step's packed grammar mask, its buffer kept across steps
+        self._constrained = False  # a constrained request was ever submitted
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -44,6 +49,7 @@ class StructuredOutputManager:
 
     def submit(self, parent: Request) -> bool:
         """Start compiling ``parent``'s grammar; True when it is ready now (a cache hit)."""
+        self._constrained = True
         fut = self.compiler.submit(parent.sampling_params.structured_outputs)
         parent.grammar = GrammarState(fut)
         if fut.done() and fut.exception() is None:
@@ -76,6 +82,26 @@ class StructuredOutputManager:
     def discard(self, req: Request) -> None:
         if req in self.compiling:
             self.compiling.remove(req)
+
+    def grammar_bitmask(self, so: Any, requests: dict[str, Request]) -> GrammarBitmask | None:
+        """The step's packed mask: a row for each constrained request due a token, in the
+        runner's sampling order (a due request, then at an n > 1 request's first sample its
+        children, which sample from the same row); None when no such request runs."""
+        if not self._constrained:
+            return None
+        owners: list[Request] = []
+        for rid, n, computed in so.batch():
+            req = requests[rid]
+            if computed + n != len(req.all_token_ids):
+                continue  # a prefill chunk short of the prompt's end: no token this step
+            owners.append(req)
+            if req.children and req.num_output_tokens == 0:
+                owners += req.children
+        filled = self.masks.fill(owners)
+        if filled is None:
+            return None
+        mask, rows = filled
+        return GrammarBitmask(mask, {owners[i].request_id: i for i in rows})
 
     @staticmethod
     def _start(parent: Request) -> None:

@@ -48,24 +48,25 @@ def kv_cache_budget(p: MemoryProfile, utilization: float) -> int:
 
 
 @torch.inference_mode()
-def profile(engine, free_at_start: int) -> MemoryProfile:
-    """Run the largest step once over a scratch pool and measure (CUDA only)."""
+def profile(model, facts, config, dev: torch.device, free_at_start: int) -> MemoryProfile:
+    """Run the largest step once over a scratch pool and measure (CUDA only). ``facts``: the
+    builder's ModelFacts (shape, dtype, max_model_len); ``config``: the EngineConfig."""
     from kvledger.model.attention.metadata import AttentionMetadata
     from kvledger.storage.kv_cache import KVCachePool
 
-    dev = engine.device
-    sc, cc = engine.config.scheduler, engine.config.cache
+    sc, cc = config.scheduler, config.cache
+    spec, max_model_len = facts.spec, facts.max_model_len
     total = torch.cuda.mem_get_info(dev)[1]
     torch.cuda.synchronize(dev)
     weights = torch.cuda.memory_allocated(dev)
     # Prompts of max_model_len tokens (the last one shorter) filling max_num_batched_tokens.
     tokens = sc.max_num_batched_tokens
-    lens = [min(engine.max_model_len, tokens - i) for i in range(0, tokens, engine.max_model_len)]
+    lens = [min(max_model_len, tokens - i) for i in range(0, tokens, max_model_len)]
     bs = cc.block_size
     per = [-(-n // bs) for n in lens]
     pool = KVCachePool(
-        engine.spec.num_layers, sum(per) + 1, bs, engine.spec.num_kv_heads, engine.spec.head_dim,
-        engine.model_dtype, device=dev,
+        spec.num_layers, sum(per) + 1, bs, spec.num_kv_heads, spec.head_dim, facts.dtype,
+        device=dev,
     )  # fmt: skip
     tables = torch.zeros(len(lens), max(per), dtype=torch.int64)
     slots, positions, nxt = [], [], 1
@@ -91,9 +92,9 @@ def profile(engine, free_at_start: int) -> MemoryProfile:
     ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
     torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev)
-    hidden = engine.model(ids, torch.cat(positions).to(dev), meta, pool.layers)
+    hidden = model(ids, torch.cat(positions).to(dev), meta, pool.layers)
     rows = torch.arange(min(sc.max_num_seqs, tokens), device=dev)
-    engine.model.compute_logits(hidden[rows])
+    model.compute_logits(hidden[rows])
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del pool, hidden

@@ -1,0 +1,105 @@
+"""What crosses between an engine and its workers besides the step itself (which is the
+scheduler's ``SchedulerOutput``): plain dataclasses of numbers, strings and lists, pickled over
+a ``multiprocessing.connection`` for tensor-parallel ranks, passed as they are to the local
+worker. A worker on another machine needs nothing but these and ``core.sched_output``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvledger.worker.model_runner import ModelRunnerOutput
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker loads and builds (the same for every rank). ``num_blocks`` 0: the pools
+    come later (``Worker.init_kv_cache``), once the engine has sized them (on CUDA, from a
+    profile of this worker)."""
+
+    model: str
+    dtype: str
+    device: str
+    max_model_len: int | None  # the RoPE table's length (None: the model's own limit)
+    block_size: int
+    num_blocks: int = 0
+    num_host_blocks: int = 0
+    kv_cache_dtype: str = "auto"
+    kv_sink_tokens: int = 0
+    kv_recent_tokens: int = 0
+    overlay_slots: int = 0  # quantised KV: the overlay's initial slots (it grows on demand)
+    attention_backend: str = "torch"
+    seed: int = 0  # the sampler's generator for unseeded requests
+    # Hybrid models (KV cache groups, kvledger.cache.kv_cache_groups): each model layer's group
+    # and pool tensor; the pool then has max(layer_slot) + 1 tensors. None: one tensor per layer.
+    layer_group: tuple[int, ...] | None = None
+    layer_slot: tuple[int, ...] | None = None
+    # LongRoPE's switch point (Scheduler.rope_long_from); None: no such switch.
+    rope_long_from: int | None = None
+    # `kvledger serve`: (max rows of a step, max sampled rows) - create every oneDNN GEMM shape
+    # at start-up (model/layers.warm_up_gemm_shapes; issue 23). None: no.
+    warm_up_gemm_rows: tuple[int, int] | None = None
+    # `kvledger serve`: map the whole KV pool at start-up (KVCachePool.populate).
+    populate_kv_cache: bool = False
+    # CUDA graphs of decode steps for up to this many requests (0: none; worker/cuda_graphs.py).
+    cuda_graph_max_seqs: int = 0
+    # Tensor parallelism: torch threads per rank, the collective backend, its timeout.
+    num_threads: int = 1
+    dist_backend: str = "gloo"
+    collective_timeout_s: float = 60.0
+
+
+@dataclass
+class WorkerReady:
+    """A worker's facts once its pools exist (the ledger's per-rank rows come from these)."""
+
+    rank: int
+    pid: int
+    host: str
+    num_kv_heads: int  # this rank's KV heads (a replicated head counts on every rank holding it)
+    bytes_per_block: int  # measured on the rank's real pool
+    device_pool_bytes: int
+    host_pool_bytes: int
+    weight_bytes: int
+    gemm_shapes_warmed: int = 0  # GEMMs run at start-up by warm_up_gemm_rows
+
+
+@dataclass
+class WorkerStats:
+    """Live figures only a worker knows: the quantised formats' overlay and sink cache, and on
+    CUDA the device's memory as torch sees it."""
+
+    overlay_slots: int = 0
+    overlay_bytes: int = 0
+    overlay_slots_used: int = 0
+    sink_cache_entries: int = 0
+    sink_cache_bytes: int = 0
+    sink_cache_hits: int = 0
+    sink_cache_misses: int = 0
+    device_memory: dict | None = None
+
+
+@dataclass
+class StepResult:
+    """One rank's answer to a step: rank 0's output carries the sampled tokens, the others'
+    only their swap times."""
+
+    rank: int
+    output: ModelRunnerOutput
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    compute_seconds: float = 0.0  # block ops + forward + logits, on the rank
+    collective_seconds: float = 0.0  # of which inside all-reduce / all-gather
+    num_collectives: int = 0
+
+
+@dataclass
+class WorkerFailed:
+    """A rank's own report of why it cannot go on (load error, collective timeout...)."""
+
+    rank: int
+    reason: str
+
+
+@dataclass
+class Shutdown:
+    pass
