@@ -299,18 +299,21 @@ class Scheduler:
         """The batch as plain data for the runner(s): ids, new and computed tokens, each new
         request's prompt and parameters once, and the tokens each request gained since the
         runner last saw it."""
-        out.req_ids = [r.request_id for r, _ in plan]
+        out.req_ids = ids = [r.request_id for r, _ in plan]
         out.num_scheduled_tokens = [n for _, n in plan]
         out.num_computed_tokens = [r.num_computed_tokens for r, _ in plan]
         new_tokens = out.new_token_ids
-        for req, _ in plan:
+        for (req, _), rid in zip(plan, ids):
+            toks = req.all_token_ids
             sent = req.num_synced_tokens
-            if not sent:
-                out.new_reqs.append(self._new_request_data(req))
-                sent = req.num_synced_tokens
-            if len(req.all_token_ids) > sent:
-                new_tokens[req.request_id] = req.all_token_ids[sent:]
-                req.num_synced_tokens = len(req.all_token_ids)
+            if len(toks) > sent:  # (a decode step: one token each)
+                if not sent:
+                    out.new_reqs.append(self._new_request_data(req))
+                    sent = req.num_synced_tokens
+                    if len(toks) == sent:
+                        continue
+                new_tokens[rid] = toks[sent:]
+                req.num_synced_tokens = len(toks)
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
 
     @staticmethod
