@@ -22,6 +22,7 @@ from kvledger.core.request import Request, RequestStatus
 from kvledger.core.scheduler import Scheduler, SchedulerOutput
 from kvledger.core.step_trace import StepTrace
 from kvledger.errors import ConfigError, EngineFailedError, InvalidRequestError
+from kvledger.hf.config import generation_defaults
 from kvledger.ledger.accounting import (
     QUANTIZED_KV_DTYPES,
     ModelSpec,
@@ -308,7 +309,7 @@ class LLMEngine:
             from kvledger.core.calibration import calibrate_cost_model
 
             calibrate_cost_model(self)
-        self.default_sampling_params = _generation_defaults(config.model, config.generation_config)
+        self.default_sampling_params = generation_defaults(config.model, config.generation_config)
         if self.default_sampling_params:
             logger.info(
                 "sampling defaults from the model's generation_config.json: %s "
@@ -809,32 +810,6 @@ def _maybe_tokenizer(path: str):
     tok = load_tokenizer(path)
     tok.model_max_length = 1 << 60  # the engine checks lengths itself, with a clear error
     return tok
-
-
-_GENERATION_KEYS = {  # generation_config.json key -> SamplingParams field (vLLM's set)
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
-
-
-def _generation_defaults(model: str, mode: str) -> dict:
-    """The sampling defaults a model folder's generation_config.json sets ("auto"), as vLLM
-    reads them; nothing for "vllm" or without the file."""
-    import json
-    from pathlib import Path
-
-    path = Path(model) / "generation_config.json"
-    if mode != "auto" or not path.is_file():
-        return {}
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read {path}: {e}") from None
-    return {field: cfg[key] for key, field in _GENERATION_KEYS.items() if cfg.get(key) is not None}
 
 
 def _plan_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:

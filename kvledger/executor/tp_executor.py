@@ -27,6 +27,7 @@ import threading
 import time
 from multiprocessing.connection import Connection, Listener, wait
 
+from kvledger import envs
 from kvledger.errors import ConfigError
 from kvledger.executor.messages import (
     Shutdown,
@@ -82,7 +83,7 @@ class TPExecutor:
             authkey = secrets.token_hex(16).encode()
             host, port = "127.0.0.1", 0
         else:
-            key = os.environ.get("KVLEDGER_TP_AUTHKEY")
+            key = envs.KVLEDGER_TP_AUTHKEY
             if not key:
                 raise ConfigError(
                     "distributed_executor_backend='external' needs KVLEDGER_TP_AUTHKEY set (the "

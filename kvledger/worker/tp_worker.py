@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kvledger import envs
 from kvledger.distributed import parallel_state
 from kvledger.distributed.overlay_proxy import apply_overlay_ops
 from kvledger.distributed.sharding import shard_model
@@ -188,7 +189,7 @@ def run_worker(driver: tuple[str, int], authkey: bytes, num_threads: int | None 
     """Serve one driver until it says Shutdown or goes away. Returns the exit code."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    conn = _connect(driver, authkey, float(os.environ.get("KVLEDGER_WORKER_CONNECT_TIMEOUT", "120")))
+    conn = _connect(driver, authkey, envs.KVLEDGER_WORKER_CONNECT_TIMEOUT)
     conn.send(("hello", rank, world_size))
     try:
         spec: WorkerSpec = conn.recv()
