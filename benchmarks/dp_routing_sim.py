@@ -21,7 +21,8 @@ import time
 
 from benchmarks.common import BENCH_OUT
 from kvledger.config import CacheConfig, SchedulerConfig
-from kvledger.ledger.accounting import kv_bytes_per_token, load_model_spec
+from kvledger.ledger.accounting import kv_bytes_per_token
+from kvledger.ledger.spec import load_model_spec
 from kvledger.sim.cost_model import gpu_cost_model
 from kvledger.sim.data_parallel import simulate_data_parallel
 from kvledger.sim.trace import TraceRequest

@@ -19,7 +19,6 @@ import torch
 
 from benchmarks.common import ensure_model, interleaved_ms, print_header
 from kvledger import LLM, SamplingParams
-from kvledger.kernels import fused_layer
 
 
 def measure(path: str, dtype: str, decodes: int, prompt: int, steps: int) -> None:
@@ -38,7 +37,7 @@ def measure(path: str, dtype: str, decodes: int, prompt: int, steps: int) -> Non
 
     def step(path_on: str, mixed: bool):
         def run(i: int) -> None:
-            os.environ[fused_layer.ENV] = path_on
+            os.environ["KVLEDGER_FUSED_LAYER"] = path_on
             rid = f"x{path_on}-{i}"
             if mixed:  # a fresh prompt beside the decodes, gone again after its step
                 eng.add_request(torch.randint(10, 30000, (prompt,), generator=g).tolist(), one, request_id=rid)
@@ -50,7 +49,7 @@ def measure(path: str, dtype: str, decodes: int, prompt: int, steps: int) -> Non
 
     calls = {(kind, on): step(on, kind == "mixed") for kind in ("decode", "mixed") for on in ("1", "0")}
     ms = interleaved_ms(calls, steps)
-    os.environ.pop(fused_layer.ENV, None)
+    os.environ.pop("KVLEDGER_FUSED_LAYER", None)
     for kind, label in (("decode", f"{decodes} decodes"), ("mixed", f"{decodes} decodes + {prompt}-token prompt")):
         a, b = ms[(kind, "1")], ms[(kind, "0")]
         print(f"{dtype:9s} {label:36s} native layer {a:7.2f} ms   modules {b:7.2f} ms   ratio {a / b:5.3f}")

@@ -277,7 +277,8 @@ def check_hf(dev, dry: bool) -> bool:
 def _build_model(dev, dry: bool):
     import torch
 
-    from kvledger.model.llama import LlamaForCausalLM, ModelConfig
+    from kvledger.hf.config import ModelConfig
+    from kvledger.model.llama import LlamaForCausalLM
 
     if dry:
         cfg = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, 4, 2, 16, 1e-5, 10000.0, None, 256, False)

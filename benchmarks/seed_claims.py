@@ -34,12 +34,12 @@ from typing import Any
 from benchmarks.common import REPO_ROOT, machine_info, percentile, print_header
 from kvledger.ledger.accounting import (
     GB,
-    PRESETS,
     GiB,
     kv_bytes_per_token,
     plan_capacity,
     prefix_sharing_savings,
 )
+from kvledger.ledger.spec import PRESETS
 from kvledger.sim.cost_model import FLOP_EFFICIENCY, GPUS, MEM_EFFICIENCY, STEP_OVERHEAD_S
 from kvledger.sim.plot import plot_timeline
 from kvledger.sim.setup import SimSetup

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import string
@@ -251,9 +250,11 @@ def main() -> None:
     print_header("structured outputs: mask cost, constrained vs unconstrained, compile off the loop")
     import torch
 
+    from kvledger import envs
+
     torch.set_num_threads(args.torch_threads)
     print(f"torch threads {torch.get_num_threads()}; KVLEDGER_MASK_THREADS="
-          f"{os.environ.get('KVLEDGER_MASK_THREADS', '(unset: 1)')}")
+          f"{envs.KVLEDGER_MASK_THREADS}")
     if 1 in parts:
         bench_mask(args.steps)
     for preset in args.e2e_presets.split(",") if 2 in parts else []:

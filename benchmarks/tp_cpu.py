@@ -86,7 +86,7 @@ def child(model: str, wl_path: Path, out: Path, tp: int) -> None:
 
 
 def simulated_70b() -> list[str]:
-    from kvledger.ledger.accounting import PRESETS
+    from kvledger.ledger.spec import PRESETS
     from kvledger.sim.cost_model import gpu_cost_model
 
     spec = PRESETS["seed-70b"]

@@ -159,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     fingerprint = {"model": str(model), "workload_sha": workload_sha(wl), "dtype": a.dtype}
 
     print_header("kvledger vs vLLM CPU")
-    from kvledger.kernels import native
+    from kvledger.kernels import native_build
 
     print(f"model   : {model} ({model_num_params(model) or '?'} params, {a.dtype})")
-    print(f"kvledger: native kernels {native.selected_isa() or 'off (torch)'}, kv_cache_dtype {a.kv_cache_dtype}")
+    print(f"kvledger: native kernels {native_build.selected_isa() or 'off (torch)'}, kv_cache_dtype {a.kv_cache_dtype}")
     print(f"workload: {workload_summary(wl)}, sha {fingerprint['workload_sha']}")
 
     results: dict[str, dict[str, Any]] = {}

@@ -28,7 +28,8 @@ CONTEXT = 32768
 
 
 def ledger_gemma3_27b(context: int) -> None:
-    from kvledger.ledger.accounting import PRESETS, format_bytes, parse_size, plan_capacity
+    from kvledger.ledger.accounting import format_bytes, parse_size, plan_capacity
+    from kvledger.ledger.spec import PRESETS
 
     spec = PRESETS["gemma-3-27b"]
     plan = plan_capacity(spec, parse_size("80GiB"), context_len=context, block_size=16)
@@ -64,7 +65,8 @@ def build(path: Path, all_local: bool) -> None:
 
 def measure(name: str, all_local: bool, chunk: int, disable_hybrid: bool = False) -> None:
     from kvledger import LLM, SamplingParams
-    from kvledger.ledger.accounting import format_bytes, load_model_spec, request_kv
+    from kvledger.ledger.accounting import format_bytes, request_kv
+    from kvledger.ledger.spec import load_model_spec
 
     with tempfile.TemporaryDirectory() as d:
         build(Path(d), all_local)

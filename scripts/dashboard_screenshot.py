@@ -11,7 +11,6 @@ headless Chromium (Debian's `chromium` package, driven by playwright) once the p
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import subprocess
 import sys
@@ -22,9 +21,11 @@ from pathlib import Path
 import httpx
 import openai
 
+from kvledger import envs
+
 ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT.parent / "shared" / "models" / "stories260k"
-CHROMIUM = os.environ.get("KVLEDGER_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM = envs.KVLEDGER_CHROMIUM
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",

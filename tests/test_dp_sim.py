@@ -10,7 +10,8 @@ import pytest
 
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.errors import ConfigError
-from kvledger.ledger.accounting import kv_bytes_per_token, load_model_spec
+from kvledger.ledger.accounting import kv_bytes_per_token
+from kvledger.ledger.spec import load_model_spec
 from kvledger.sim.cost_model import gpu_cost_model
 from kvledger.sim.data_parallel import DP_SIM_POLICIES, simulate_data_parallel
 from kvledger.sim.trace import TraceRequest

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 from kvledger import LLM, SamplingParams
 from kvledger.kernels import fused_layer, native
-from kvledger.kernels.gemm_rows import ROW_INVARIANT, row_wise
+from kvledger.kernels.gemm_rows import row_wise
 from kvledger.model.loader import load_model
 from tests.model_factory import PagedDriver, build_hf_model, tiny_config
 from tests.test_engine_exact import hf_greedy
@@ -68,8 +68,7 @@ def _row_wise_steps(steps, dtype: torch.dtype) -> int:
     n = 0
     for batch in steps:
         decodes = next((i for i, (_, ids) in enumerate(batch) if len(ids) != 1), len(batch))
-        with ROW_INVARIANT.leading(decodes):
-            n += row_wise(sum(len(ids) for _, ids in batch), dtype)
+        n += row_wise(sum(len(ids) for _, ids in batch), dtype, invariant_rows=decodes)
     return n
 
 
@@ -81,9 +80,9 @@ def test_native_layer_gives_the_modules_bits(kind, dtype, tmp_path, monkeypatch,
     assert loaded.model.fused_layers is not None
     native_drv, module_drv = PagedDriver(loaded, block_size=8), PagedDriver(loaded, block_size=8)
     for batch in _steps(torch.Generator().manual_seed(3)):
-        monkeypatch.setenv(fused_layer.ENV, "1")
+        monkeypatch.setenv("KVLEDGER_FUSED_LAYER", "1")
         a = native_drv.step(batch)
-        monkeypatch.setenv(fused_layer.ENV, "0")
+        monkeypatch.setenv("KVLEDGER_FUSED_LAYER", "0")
         b = module_drv.step(batch)
         assert torch.equal(a, b), batch
     for x, y in zip(native_drv.pool.layers, module_drv.pool.layers, strict=True):
@@ -110,9 +109,9 @@ def test_steps_the_native_layer_does_not_take_go_through_the_modules(tmp_path, m
     batches = [[("a", list(range(3, 58)) * 20)], [("a", [5])]]  # 1,100 rows: oneDNN's, not row-wise
     drv, ref = PagedDriver(loaded, num_blocks=400), PagedDriver(loaded, num_blocks=400)
     for batch in batches:
-        monkeypatch.setenv(fused_layer.ENV, "1")
+        monkeypatch.setenv("KVLEDGER_FUSED_LAYER", "1")
         a = drv.step(batch)
-        monkeypatch.setenv(fused_layer.ENV, "0")
+        monkeypatch.setenv("KVLEDGER_FUSED_LAYER", "0")
         assert torch.equal(a, ref.step(batch))
     assert fused_runs[0] == 1  # the decode step only
     # A model the native layer does not cover (q/k norms) never builds one.

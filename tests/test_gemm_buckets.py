@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger.kernels import native
-from kvledger.kernels.gemm_rows import empty_rows, row_wise, rows_view
+from kvledger.kernels import gemm_rows, native
+from kvledger.kernels.gemm_rows import RowInvariance, empty_rows, row_wise, rows_view
 from kvledger.model.layers import (
     OVERWRITE_MAX_FRACTION,
     OVERWRITE_MIN_ROWS,
-    ROW_INVARIANT,
     Linear,
     _bucketed_rows,
     gemm_rows_bucket,
@@ -20,7 +19,7 @@ from kvledger.model.layers import (
 
 def _onednn_rows(dtype: torch.dtype, at_least: int) -> int:
     """The fewest rows, at least ``at_least``, of a product that oneDNN takes on padded rows here
-    (the native kernel's share depends on the build: native.small_gemm_whole)."""
+    (the native kernel's share depends on the build: gemm_rows.small_gemm_whole)."""
     m = at_least
     while row_wise(m, dtype) or gemm_rows_bucket(m) == m:
         m += 1
@@ -82,15 +81,17 @@ def test_rows_allocated_with_room_are_padded_in_place(dtype):
 
 def test_inputs_of_row_wise_products_are_plain_tensors():
     """No bucket rows (nor their zeroing) behind the input of a product the native row-wise
-    kernel takes whole, which pads nothing: few rows, bfloat16 rows within ROW_INVARIANT (a
-    step's decodes), or rows it computes faster than oneDNN its bucket; every other CPU
-    product's input gets them."""
-    small = native.small_gemm_max_rows()
+    kernel takes whole, which pads nothing: few rows, bfloat16 rows within the model's
+    RowInvariance (a step's decodes), or rows it computes faster than oneDNN its bucket; every
+    other CPU product's input gets them."""
+    small = gemm_rows.small_gemm_max_rows()
     if small == 0:
         pytest.skip("no native library here")
 
+    rows = RowInvariance()
+
     def roomy(m: int, dtype: torch.dtype) -> bool:
-        x = empty_rows(m, 64, dtype)
+        x = rows.empty_rows(m, 64, dtype)
         return x.untyped_storage().nbytes() > x.nbytes
 
     for dtype in (torch.float32, torch.bfloat16):
@@ -99,7 +100,7 @@ def test_inputs_of_row_wise_products_are_plain_tensors():
     m = _onednn_rows(torch.bfloat16, small + 1)
     more = _onednn_rows(torch.bfloat16, m + 1)
     assert roomy(m, torch.bfloat16) and roomy(more, torch.bfloat16)
-    with ROW_INVARIANT.leading(m):
+    with rows.leading(m):
         assert not roomy(m, torch.bfloat16)  # bf16 decodes: row-wise whatever their number
         assert roomy(more, torch.bfloat16)  # beside a prefill: oneDNN takes the rest
         f32 = _onednn_rows(torch.float32, m)
@@ -115,13 +116,13 @@ def test_the_native_kernel_takes_products_whole_where_that_beats_the_padding():
         pytest.skip("no native library here")
     for dtype in (torch.float32, torch.bfloat16):
         on = lib.vector_width == 16 and (dtype == torch.float32 or lib.bf16_packed)
-        top = native.WHOLE_ROWS[dtype]
-        assert native.small_gemm_whole(top, top, dtype) == on  # unpadded, still native
-        assert native.small_gemm_whole(1025, gemm_rows_bucket(1025), dtype) == on  # 12 % padding
-        assert not native.small_gemm_whole(2040, gemm_rows_bucket(2040), dtype)  # 0.4 %
-        assert not native.small_gemm_whole(2048, 2048, dtype)
-        assert row_wise(top, dtype) == (on or top <= native.small_gemm_max_rows())
-    assert not native.small_gemm_whole(1025, gemm_rows_bucket(1025), torch.float16)  # not its dtype
+        top = gemm_rows.WHOLE_ROWS[dtype]
+        assert gemm_rows.small_gemm_whole(top, top, dtype) == on  # unpadded, still native
+        assert gemm_rows.small_gemm_whole(1025, gemm_rows_bucket(1025), dtype) == on  # 12 % padding
+        assert not gemm_rows.small_gemm_whole(2040, gemm_rows_bucket(2040), dtype)  # 0.4 %
+        assert not gemm_rows.small_gemm_whole(2048, 2048, dtype)
+        assert row_wise(top, dtype) == (on or top <= gemm_rows.small_gemm_max_rows())
+    assert not gemm_rows.small_gemm_whole(1025, gemm_rows_bucket(1025), torch.float16)  # not its dtype
 
 
 def test_rows_view_declines_what_it_cannot_extend():
@@ -149,7 +150,7 @@ def test_the_kernels_feeding_a_gemm_leave_room_for_its_padding(dtype):
 
 def _bf16_linear(k: int, n: int) -> Linear:
     torch.manual_seed(1)
-    lin = Linear(k, n, bias=True)
+    lin = Linear(k, n, bias=True, row_invariance=RowInvariance())
     lin.weight.data = torch.randn(n, k).bfloat16()
     lin.bias.data = torch.randn(n).bfloat16()
     ref_w, ref_b = lin.weight.data.double(), lin.bias.data.double()
@@ -162,13 +163,13 @@ def _bf16_linear(k: int, n: int) -> Linear:
 
 @pytest.mark.parametrize(("m", "n"), [(70, 7), (300, 7), (620, 7), (1100, 7), (1100, 100), (2048, 7)])
 def test_bf16_leading_rows_are_row_wise_on_both_split_paths(m, n, monkeypatch):
-    """A bf16 product whose leading `n` rows are decodes (ROW_INVARIANT): those rows come from
+    """A bf16 product whose leading `n` rows are decodes (its RowInvariance): those rows come from
     the native row-wise kernel whatever the rest (batch invariance), the rest from oneDNN, on
     the concatenating path and the in-place overwrite path (m >= 1,024, n <= m / 16) alike."""
     lin = _bf16_linear(512, 48)
     x = torch.randn(m, 512).bfloat16()
     ref_w, ref_b = lin.ref
-    with ROW_INVARIANT.leading(n):
+    with lin.row_invariance.leading(n):
         got = lin(x)
     assert got.shape == (m, 48) and got.dtype == torch.bfloat16 and got.is_contiguous()
     assert torch.equal(got[:n], native.small_gemm(x[:n], lin.small, lin.bias))
@@ -177,13 +178,13 @@ def test_bf16_leading_rows_are_row_wise_on_both_split_paths(m, n, monkeypatch):
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=0.25)
     # Which kernel made which rows: oneDNN's results marked (+ 1024) must survive exactly in the
     # prefill rows and nowhere in the decode rows (here the two kernels agree to the bit). Where
-    # the native kernel takes the whole product (native.small_gemm_whole), oneDNN makes none.
+    # the native kernel takes the whole product (gemm_rows.small_gemm_whole), oneDNN makes none.
     whole = row_wise(m, torch.bfloat16)
     overwrite = not whole and m >= OVERWRITE_MIN_ROWS and n * OVERWRITE_MAX_FRACTION <= m
     assert overwrite == (not whole and m >= 1100 and n == 7)
     seen = []
     monkeypatch.setattr(lin, "_big", lambda t: seen.append(t.shape[0]) or Linear._big(lin, t) + 1024)
-    with ROW_INVARIANT.leading(n):
+    with lin.row_invariance.leading(n):
         marked = lin(x)
     assert torch.equal(marked[:n], got[:n])
     if whole:

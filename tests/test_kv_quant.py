@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from kvledger import LLM, SamplingParams
-from kvledger.ledger.accounting import ModelSpec, kv_bytes_per_token
+from kvledger.ledger.accounting import kv_bytes_per_token
+from kvledger.ledger.spec import ModelSpec
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
 from kvledger.storage.kv_cache import HostKVPool, KVCachePool

@@ -216,7 +216,7 @@ def test_longrope_long_prompt_uses_the_long_factors(tmp_path):
 
 def test_unsupported_options_are_named(tmp_path):
     """Options kvledger does not implement are refused by name, not run wrongly."""
-    from kvledger.model.loader import model_config_from_hf
+    from kvledger.hf.config import model_config_from_hf
 
     base = json.loads(tiny_config("gemma2").to_json_string())
     with pytest.raises(ConfigError, match="RoPE type 'mrope'"):

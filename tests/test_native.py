@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvledger.kernels import native
+from kvledger.errors import ConfigError
+from kvledger.kernels import native, native_build
 from kvledger.storage import kv_quant
 from kvledger.storage.kv_cache import KVCachePool, PagedKVCache
 
@@ -24,12 +25,12 @@ needs_native = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=native.cpu_isas() or ["none"])
+@pytest.fixture(params=native_build.cpu_isas() or ["none"])
 def isa(request, monkeypatch):
     """Run the test with the kernels built for one instruction set."""
     if request.param == "none" or native.library() is None:
         pytest.skip("native kernels unavailable here")
-    monkeypatch.setenv(native.ISA_ENV, request.param)
+    monkeypatch.setenv("KVLEDGER_NATIVE_ISA", request.param)
     native.library.cache_clear()
     assert native.library().isa == request.param
     yield request.param
@@ -71,13 +72,13 @@ def test_small_gemm_rows_are_batch_invariant(isa, dtype):
 def test_a_weight_packed_for_one_build_is_refused_by_another(monkeypatch):
     """The blocked layout's tile width follows the build's vector width: a weight packed under
     AVX-512 must not be read by the AVX2 kernels (wrong products, silently) but refused."""
-    if not {"avx2", "avx512"} <= set(native.cpu_isas()):
+    if not {"avx2", "avx512"} <= set(native_build.cpu_isas()):
         pytest.skip("needs a CPU with both instruction sets")
     w = torch.randn(100, 64)
-    monkeypatch.setenv(native.ISA_ENV, "avx512")
+    monkeypatch.setenv("KVLEDGER_NATIVE_ISA", "avx512")
     native.library.cache_clear()
     packed = native.pack_weight(w)
-    monkeypatch.setenv(native.ISA_ENV, "avx2")
+    monkeypatch.setenv("KVLEDGER_NATIVE_ISA", "avx2")
     native.library.cache_clear()
     try:
         with pytest.raises(ValueError, match="laid out in tiles of 64 outputs, the loaded build.s are 16"):
@@ -94,16 +95,16 @@ def test_avx512_base_leaves_out_the_optional_instructions(monkeypatch):
     """avx512-base is the build an AVX-512 CPU without avx512_bf16 / avx512_vnni runs: no
     vdpbf16ps GEMM (bf16 weights stay row-major) and no vpdpwssd, whatever this CPU has, so those
     fallbacks run their tests here too (the isa fixture); avx512 has them where the CPU does."""
-    isas = native.cpu_isas()
+    isas = native_build.cpu_isas()
     if "avx512" not in isas:
         pytest.skip("needs an AVX-512 CPU")
     assert "avx512-base" in isas
-    flags = native._cpu_flags().split()
-    assert not {"-mavx512bf16", "-mavx512vnni"} & set(native.isa_flags("avx512-base"))
-    assert ("-mavx512vnni" in native.isa_flags("avx512")) == ("avx512_vnni" in flags)
+    flags = native_build._cpu_flags().split()
+    assert not {"-mavx512bf16", "-mavx512vnni"} & set(native_build.isa_flags("avx512-base"))
+    assert ("-mavx512vnni" in native_build.isa_flags("avx512")) == ("avx512_vnni" in flags)
     try:
         for isa, packed in [("avx512-base", False), ("avx512", "avx512_bf16" in flags)]:
-            monkeypatch.setenv(native.ISA_ENV, isa)
+            monkeypatch.setenv("KVLEDGER_NATIVE_ISA", isa)
             native.library.cache_clear()
             assert native.library().isa == isa
             assert native.library().bf16_packed == packed
@@ -526,20 +527,20 @@ def test_can_paged_decode_only_for_supported_caches():
 
 @needs_native
 def test_isa_is_chosen_from_the_cpu_and_can_be_forced(monkeypatch, caplog):
-    isas = native.cpu_isas()
+    isas = native_build.cpu_isas()
     try:
-        monkeypatch.delenv(native.ISA_ENV, raising=False)
-        assert native.selected_isa() == isas[0]  # the best this CPU runs
-        monkeypatch.setenv(native.ISA_ENV, "torch")
+        monkeypatch.delenv("KVLEDGER_NATIVE_ISA", raising=False)
+        assert native_build.selected_isa() == isas[0]  # the best this CPU runs
+        monkeypatch.setenv("KVLEDGER_NATIVE_ISA", "torch")
         native.library.cache_clear()
         assert native.library() is None
-        monkeypatch.setenv(native.ISA_ENV, "avx9000")
-        with pytest.raises(ValueError, match="KVLEDGER_NATIVE_ISA='avx9000'"):
-            native.selected_isa()
+        monkeypatch.setenv("KVLEDGER_NATIVE_ISA", "avx9000")
+        with pytest.raises(ConfigError, match="KVLEDGER_NATIVE_ISA='avx9000'"):
+            native_build.selected_isa()
         if "avx512" not in isas:  # an AVX2-only machine asked for AVX-512: its best, and a warning
-            monkeypatch.setenv(native.ISA_ENV, "avx512")
+            monkeypatch.setenv("KVLEDGER_NATIVE_ISA", "avx512")
             with caplog.at_level("WARNING", logger="kvledger"):
-                assert native.selected_isa() == isas[0]
+                assert native_build.selected_isa() == isas[0]
             assert "lacks it" in caplog.text
     finally:
         monkeypatch.undo()
@@ -548,9 +549,9 @@ def test_isa_is_chosen_from_the_cpu_and_can_be_forced(monkeypatch, caplog):
 
 def test_build_failures_fall_back_to_torch(tmp_path, monkeypatch, caplog):
     with pytest.raises(OSError, match="no C compiler"):
-        native.build(cc="no-such-compiler-kvledger", out_dir=tmp_path)
+        native_build.build(cc="no-such-compiler-kvledger", out_dir=tmp_path)
     with pytest.raises(subprocess.CalledProcessError):
-        native.build(cc="false", out_dir=tmp_path)  # a compiler that fails
+        native_build.build(cc="false", out_dir=tmp_path)  # a compiler that fails
     assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
     try:
         # A failing compiler: a warning, and None (every caller then uses torch's kernels).
@@ -560,7 +561,7 @@ def test_build_failures_fall_back_to_torch(tmp_path, monkeypatch, caplog):
         native.library.cache_clear()
         with caplog.at_level("WARNING", logger="kvledger"):
             assert native.library() is None
-        if native._supported_cpu():  # elsewhere library() gives up before compiling
+        if native_build._supported_cpu():  # elsewhere library() gives up before compiling
             assert "native kernels unavailable" in caplog.text
         # Switched off by the user.
         monkeypatch.delenv("CC")
@@ -574,9 +575,9 @@ def test_build_failures_fall_back_to_torch(tmp_path, monkeypatch, caplog):
 
 @needs_native
 def test_build_is_cached_per_source(tmp_path):
-    first = native.build(out_dir=tmp_path)
+    first = native_build.build(out_dir=tmp_path)
     mtime = os.stat(first).st_mtime_ns
-    assert native.build(out_dir=tmp_path) == first and os.stat(first).st_mtime_ns == mtime
+    assert native_build.build(out_dir=tmp_path) == first and os.stat(first).st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
 
 
@@ -825,8 +826,8 @@ def test_silu_mul_has_the_same_bits_on_every_lane_count(dtype, monkeypatch):
     build runs 8 throughout. Widths with and without an 8-lane tail give identical bits on every
     instruction set this CPU runs, and match torch."""
     results = {}
-    for isa in native.cpu_isas():
-        monkeypatch.setenv(native.ISA_ENV, isa)
+    for isa in native_build.cpu_isas():
+        monkeypatch.setenv("KVLEDGER_NATIVE_ISA", isa)
         native.library.cache_clear()
         for inter in (8, 96, 104, 1800):
             gate_up = (torch.randn(5, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 5).to(dtype)

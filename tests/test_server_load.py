@@ -22,6 +22,8 @@ import pytest
 import torch
 from test_server import STORIES, ServerProcess
 
+from kvledger import envs
+
 NUM_CLIENTS = 64
 SENTENCES = [
     "Once upon a time, there was a little girl named Lily.",
@@ -161,8 +163,8 @@ def test_64_streaming_clients_match_the_offline_api(server, reference):
         report[f"server_{name}_mean_ms"] = round(total / max(n, 1) * 1e3, 2)
     report["load_average_1m"] = round(os.getloadavg()[0], 2)
     print("\nserver load:", json.dumps(report))
-    if os.environ.get("KVLEDGER_SERVER_LOAD_REPORT"):
-        with open(os.environ["KVLEDGER_SERVER_LOAD_REPORT"], "w") as f:
+    if envs.KVLEDGER_SERVER_LOAD_REPORT:
+        with open(envs.KVLEDGER_SERVER_LOAD_REPORT, "w") as f:
             json.dump(report, f, indent=2)
     assert blocks == 0 and led["used_blocks"] == 0 and led["requests"] == {}
     assert led["num_requests"] == {"running": 0, "waiting": 0, "swapped": 0}

@@ -19,7 +19,8 @@ import pytest
 
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.errors import ConfigError
-from kvledger.ledger.accounting import PRESETS, kv_bytes_per_token
+from kvledger.ledger.accounting import kv_bytes_per_token
+from kvledger.ledger.spec import PRESETS
 from kvledger.sim import Simulator, StepCostModel, TraceRequest, load_trace, synthetic_trace
 from kvledger.sim.cost_model import fit_step_times, gpu_cost_model
 from kvledger.sim.setup import SimSetup

@@ -22,7 +22,8 @@ import pytest
 import kvledger.core.builder as engine_mod
 from kvledger import LLM, SamplingParams
 from kvledger.errors import ConfigError, EngineFailedError
-from kvledger.ledger.accounting import ModelSpec, kv_bytes_per_token
+from kvledger.ledger.accounting import kv_bytes_per_token
+from kvledger.ledger.spec import ModelSpec
 from tests.model_factory import build_hf_model, tiny_config
 
 BS = 4

@@ -9,7 +9,8 @@ import pytest
 
 from kvledger.cli import main
 from kvledger.errors import ConfigError
-from kvledger.ledger.accounting import PRESETS, GiB, ModelSpec, plan_capacity, request_kv
+from kvledger.ledger.accounting import GiB, plan_capacity, request_kv
+from kvledger.ledger.spec import PRESETS, ModelSpec
 
 
 def test_gemma3_27b_32k_request_by_hand():

@@ -1,7 +1,8 @@
 """`kvledger plan`: how many KV blocks, tokens and concurrent requests a model gets on a device.
 
-Everything comes from kvledger.ledger.accounting, the same arithmetic the engine sizes its pool
-with; this module only parses flags and prints.
+Everything comes from kvledger.ledger (the model's spec, read from config.json by kvledger.hf.config
+as the loader reads it, and the accounting), the same arithmetic the engine sizes its pool with;
+this module only parses flags and prints.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from kvledger.ledger.accounting import (
     KV_DTYPE_BYTES,
     CapacityPlan,
     DoesNotFitError,
-    ModelSpec,
     format_bytes,
     kv_bytes_per_token,
-    load_model_spec,
     naive_vs_paged,
     parse_size,
     plan_capacity,
 )
+from kvledger.ledger.spec import ModelSpec, load_model_spec
 
 AUTO_TP_CANDIDATES = (1, 2, 4, 8)
 SAMPLE_SIZE, SAMPLE_MEDIAN, SAMPLE_SIGMA, SAMPLE_SEED = 256, 300, 1.0, 0

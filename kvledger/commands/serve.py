@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvledger import envs
 from kvledger.commands.engine_args import add_engine_args, engine_kwargs
 from kvledger.errors import ConfigError
 
@@ -197,7 +198,7 @@ def api_keys_from(args_keys: list[str] | None) -> list[str]:
     """--api-key wins (all of them); else $VLLM_API_KEY and $KVLEDGER_API_KEY, each if set."""
     if args_keys:
         return [k for k in args_keys if k]
-    return [k for k in (os.environ.get("VLLM_API_KEY"), os.environ.get("KVLEDGER_API_KEY")) if k]
+    return [k for k in (envs.VLLM_API_KEY, envs.KVLEDGER_API_KEY) if k]
 
 
 def load_chat_template(value: str) -> str:

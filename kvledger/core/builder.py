@@ -28,6 +28,7 @@ from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.scheduler import Scheduler, build_kv_manager
 from kvledger.errors import ConfigError
 from kvledger.executor.base import Executor
+from kvledger.hf.config import generation_defaults
 from kvledger.hf.tokenizer import maybe_tokenizer
 from kvledger.ledger.accounting import (
     QUANTIZED_KV_DTYPES,
@@ -92,7 +93,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     else:  # this process is the driver and loads no weights (the ranks do)
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, weights=False)
     facts = _model_facts(config, loaded, device)
-    facts.default_sampling_params = _generation_defaults(config.model, config.generation_config)
+    facts.default_sampling_params = generation_defaults(config.model, config.generation_config)
     if facts.default_sampling_params:
         logger.info(
             "sampling defaults from the model's generation_config.json: %s "
@@ -340,32 +341,6 @@ def _rope_long_from(loaded: LoadedModel) -> int | None:
     """LongRoPE: the table is chosen by the sequence's length, crossing it recomputes."""
     rope = getattr(loaded.model, "rotary_emb", None)
     return getattr(rope, "long_from", None)
-
-
-_GENERATION_KEYS = {  # generation_config.json key -> SamplingParams field (vLLM's set)
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
-
-
-def _generation_defaults(model: str, mode: str) -> dict:
-    """The sampling defaults a model folder's generation_config.json sets ("auto"), as vLLM
-    reads them; nothing for "vllm" or without the file."""
-    import json
-    from pathlib import Path
-
-    path = Path(model) / "generation_config.json"
-    if mode != "auto" or not path.is_file():
-        return {}
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read {path}: {e}") from None
-    return {field: cfg[key] for key, field in _GENERATION_KEYS.items() if cfg.get(key) is not None}
 
 
 def _plan_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:

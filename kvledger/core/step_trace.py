@@ -14,8 +14,9 @@ the steps against its own requests).
 from __future__ import annotations
 
 import json
-import os
 from typing import TYPE_CHECKING
+
+from kvledger import envs
 
 if TYPE_CHECKING:
     from kvledger.core.sched_output import SchedulerOutput
@@ -31,7 +32,7 @@ class StepTrace:
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
-        path = os.environ.get(ENV)
+        path = envs.KVLEDGER_STEP_TRACE
         return cls(path) if path else None
 
     @staticmethod

@@ -29,9 +29,11 @@ from torch import nn
 
 from kvledger.distributed.parallel_state import all_gather_last, all_reduce
 from kvledger.errors import ConfigError
-from kvledger.ledger.accounting import ModelSpec
+from kvledger.hf.config import ModelConfig
+from kvledger.kernels.gemm_rows import RowInvariance
+from kvledger.ledger.spec import ModelSpec
 from kvledger.model.layers import GatedMLP, Linear
-from kvledger.model.llama import LlamaForCausalLM, ModelConfig
+from kvledger.model.llama import LlamaForCausalLM
 from kvledger.model.moe import SparseMoE
 
 
@@ -132,8 +134,13 @@ def _own(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.contiguous().clone(), requires_grad=False)
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, cls: type[Linear] = Linear) -> Linear:
-    out = cls(weight.shape[1], weight.shape[0], bias=False, weight=_own(weight))
+def _linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, rows: RowInvariance, cls: type[Linear] = Linear
+) -> Linear:
+    """A rank's slice of a projection; it shares the model's RowInvariance, as the one it replaces."""
+    out = cls(
+        weight.shape[1], weight.shape[0], bias=False, weight=_own(weight), row_invariance=rows
+    )
     if bias is not None:
         out.bias = _own(bias)
     return out
@@ -167,6 +174,7 @@ def shard_moe(moe: SparseMoE, rank: int, tp: int) -> None:
 def shard_model(model: LlamaForCausalLM, rank: int, tp: int) -> None:
     """Cut the (unpacked) model down to rank ``rank``'s share, in place."""
     cfg: ModelConfig = model.config
+    rows = model.row_invariance
     for layer in model.model.layers:
         a = layer.self_attn
         H, K, D = a.num_heads, a.num_kv_heads, a.head_dim
@@ -180,9 +188,9 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int) -> None:
             return torch.cat([t[q_rows], t[k_rows], t[v_rows]])
 
         qkv = a.qkv_proj
-        a.qkv_proj = _linear(pick(qkv.weight), None if qkv.bias is None else pick(qkv.bias))
+        a.qkv_proj = _linear(pick(qkv.weight), None if qkv.bias is None else pick(qkv.bias), rows)
         o = a.o_proj
-        a.o_proj = _linear(o.weight[:, q_rows], o.bias if rank == 0 else None, RowParallelLinear)
+        a.o_proj = _linear(o.weight[:, q_rows], o.bias if rank == 0 else None, rows, RowParallelLinear)
         a.num_heads, a.num_kv_heads = h, kn
         a.q_size, a.kv_size = h * D, kn * D
         mlp = layer.mlp
@@ -197,9 +205,9 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int) -> None:
         gu = mlp.gate_up_proj
         gate_up = torch.cat([gu.weight[mine], gu.weight[n:][mine]])
         gu_bias = None if gu.bias is None else torch.cat([gu.bias[mine], gu.bias[n:][mine]])
-        mlp.gate_up_proj = _linear(gate_up, gu_bias)
+        mlp.gate_up_proj = _linear(gate_up, gu_bias, rows)
         d = mlp.down_proj
-        mlp.down_proj = _linear(d.weight[:, mine], d.bias if rank == 0 else None, RowParallelLinear)
+        mlp.down_proj = _linear(d.weight[:, mine], d.bias if rank == 0 else None, rows, RowParallelLinear)
         mlp.intermediate_size = i
 
     vocab = cfg.vocab_size
@@ -211,5 +219,5 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int) -> None:
         _rows(embed, start, n, per).contiguous().clone(), start, start + n
     )
     if model.lm_head is not None:
-        model.lm_head = _linear(_rows(model.lm_head.weight, start, n, per), None)
+        model.lm_head = _linear(_rows(model.lm_head.weight, start, n, per), None, rows)
     model.__dict__["vocab_gather"] = _GatherVocab(vocab)

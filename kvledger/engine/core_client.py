@@ -34,6 +34,7 @@ from typing import Any
 
 import zmq
 
+from kvledger import envs
 from kvledger.engine import core_protocol as wire
 from kvledger.engine.async_engine import resolve_threadsafe
 from kvledger.engine.core_proc import run_engine_core
@@ -47,7 +48,7 @@ logger = logging.getLogger("kvledger")
 def _start_method() -> str:
     """fork (fast: the front end's imports are inherited) unless asked otherwise; the front end
     never touches CUDA, so forking is safe as vLLM does it."""
-    return os.environ.get("KVLEDGER_ENGINE_START_METHOD", "fork")
+    return envs.KVLEDGER_ENGINE_START_METHOD
 
 
 class EngineCoreClient:

@@ -16,15 +16,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import os
 from collections.abc import Iterator
+
+from kvledger import envs
 
 GC_FREEZE_ENV = "KVLEDGER_GC_FREEZE"  # "0": leave the collector as it is
 _atexit_registered = False
 
 
 def _turned_off() -> bool:
-    return os.environ.get(GC_FREEZE_ENV, "1") == "0"
+    return not envs.KVLEDGER_GC_FREEZE
 
 
 def freeze_gc_heap() -> int:

@@ -29,6 +29,7 @@ import threading
 import time
 from multiprocessing.connection import Connection, Listener, wait
 
+from kvledger import envs
 from kvledger.core.sched_output import SchedulerOutput
 from kvledger.errors import ConfigError
 from kvledger.executor.base import Executor
@@ -88,7 +89,7 @@ class TPExecutor(Executor):
             authkey = secrets.token_hex(16).encode()
             host, port = "127.0.0.1", 0
         else:
-            key = os.environ.get("KVLEDGER_TP_AUTHKEY")
+            key = envs.KVLEDGER_TP_AUTHKEY
             if not key:
                 raise ConfigError(
                     "distributed_executor_backend='external' needs KVLEDGER_TP_AUTHKEY set (the "

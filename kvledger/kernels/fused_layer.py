@@ -10,9 +10,9 @@ for bit; it only runs where every one of them would have run natively:
 - the model (checked once, after its weights are packed): plain Llama layers (no q/k norms,
   sandwich norms, norm offsets, soft-capping, sliding windows, partial rotary or MoE), SiLU MLP,
   every product packed for the native kernel, unsharded;
-- the step: every product takes the row-wise kernel (gemm_rows.row_wise for the step's rows),
-  one KV-cache group, unquantised caches of the model dtype, and attention that is nothing but
-  the native decode and prefill kernels (torch_backend's plan).
+- the step: every product takes the row-wise kernel (the model's RowInvariance.row_wise for the
+  step's rows), one KV-cache group, unquantised caches of the model dtype, and attention that is
+  nothing but the native decode and prefill kernels (torch_backend's plan).
 
 Anything else goes through the modules. ``KVLEDGER_FUSED_LAYER=0`` turns it off (tests compare
 the two paths).
@@ -21,18 +21,15 @@ the two paths).
 from __future__ import annotations
 
 import ctypes
-import os
 from ctypes import Structure, c_float, c_int64, c_void_p
 
 import torch
 
+from kvledger import envs
 from kvledger.kernels import native
-from kvledger.kernels.gemm_rows import row_wise
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
 from kvledger.model.layers import GatedMLP, Linear, RMSNorm, RopeStep
 from kvledger.storage.kv_cache import PagedKVCache
-
-ENV = "KVLEDGER_FUSED_LAYER"
 
 
 class _Gemm(Structure):
@@ -64,7 +61,8 @@ class _Step(Structure):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    """KVLEDGER_FUSED_LAYER is not 0 (read at each step, so tests and benchmarks can switch)."""
+    return envs.KVLEDGER_FUSED_LAYER
 
 
 def _gemm(lin: Linear) -> _Gemm:
@@ -89,6 +87,7 @@ class FusedLayers:
         # weights alive past the engine.
         self.layers = model.model.layers
         cfg = model.config
+        self.row_invariance = model.row_invariance  # which of a step's rows are row-wise
         self.dtype = model.dtype
         self.elem = native.ELEM[self.dtype]
         self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -174,7 +173,7 @@ class FusedLayers:
             or meta.per_layer is not None
             or not isinstance(backend, TorchAttentionBackend)
             or h.dtype != self.dtype
-            or not row_wise(T, self.dtype)
+            or not self.row_invariance.row_wise(T, self.dtype)
         ):
             return None
         layers = self._layer_structs(kv_caches)

@@ -1,269 +1,19 @@
-"""Native CPU kernels: C sources in csrc/, compiled on first use with the system C compiler
-and cached per source, instruction set and CPU, then called through ctypes.
-
-Why not a torch C++ extension: building one takes tens of seconds and needs the torch headers;
-these kernels are plain C with intrinsics and OpenMP, compile in a few seconds once per machine
-(one compiler per source, in parallel), and load in milliseconds, so start-up stays within bounds.
-
-Instruction sets: every source is built for one of ``ISAS`` (csrc/simd.h), chosen at run time
-from the CPU's flags, best first: ``avx512`` (AVX-512 F/BW/VL/DQ, with vdpbf16ps and vpdpwssd
-where the CPU has avx512_bf16 / avx512_vnni), ``avx512-base`` (the same without those two: what
-an AVX-512 CPU lacking them runs) or ``avx2`` (AVX2+FMA+F16C). ``KVLEDGER_NATIVE_ISA=avx2`` (or
-``avx512-base``, ``avx512``) forces one, so that a CPU can test every path it can run; ``KVLEDGER_NATIVE=0``
-(or ``KVLEDGER_NATIVE_ISA=torch``) turns the kernels off. Everything here is optional: without a
-compiler, on a CPU without AVX2/FMA/F16C, callers get None and use torch's own kernels.
+"""Python wrappers of the native CPU kernels (csrc/), called through ctypes on the library
+kvledger.kernels.native_build compiles and loads; each checks what its kernel takes, and callers
+fall back to torch's kernels where ``library()`` is None.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from kvledger.kernels.gemm_rows import empty_rows
-
-logger = logging.getLogger("kvledger")
-
-CSRC = Path(__file__).with_name("csrc")
-CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-# Instruction sets, best first: the CPU flags each needs, and the compiler flags it is built with.
-# "avx512" adds the optional avx512_bf16 / avx512_vnni instructions where the CPU has them
-# (isa_flags); "avx512-base" is the same build without them, i.e. what an AVX-512 CPU lacking them
-# runs, so those fallbacks are tested (KVLEDGER_NATIVE_ISA=avx512-base) on a CPU that has them.
-_AVX512 = (
-    ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
-)
-ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512": _AVX512,
-    "avx512-base": _AVX512,
-    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
-}
-ISA_ENV = "KVLEDGER_NATIVE_ISA"
-# Up to this many rows the native blocked-layout GEMM is at least as fast as oneDNN's packed one
-# (AVX-512, bench-60m shapes, 8-64 rows: 1.0-1.6x, docs/measurements/cpu_kernels.md, "The few-row
-# GEMM on its own weight layout"); the AVX2 build keeps the 16 rows measured for its row-major
-# predecessor (not timed on an AVX2 CPU).
-SMALL_GEMM_MAX_ROWS = 64
-SMALL_GEMM_MAX_ROWS_AVX2 = 16
-
-
-def small_gemm_max_rows() -> int:
-    """Products of at most this many rows take small_gemm (0 where there is no library)."""
-    lib = library()
-    if lib is None:
-        return 0
-    return SMALL_GEMM_MAX_ROWS if lib.vector_width == 16 else SMALL_GEMM_MAX_ROWS_AVX2
-
-
-# Past its few-row range the native kernel also takes a product whole where that beats oneDNN on the
-# bucket's padded rows (gemm_rows.row_wise). Measured on Zen 4 (the AVX-512 build with vdpbf16ps,
-# the 60M model's four layer weights, docs/measurements/cpu_kernels.md, "Past the few-row range"):
-# per row it takes 0.87-0.99x oneDNN's time up to 1,024 rows in float32 and 1.02-1.05x above, in
-# bf16 1.01-1.08x; a bf16 mixed step all through it also stops computing its decode rows twice.
-# Whole steps of 263-1,300 rows took 0.88-0.93x the time in float32, 0.93-0.98x in bf16 (beside only
-# seven decodes 0.90-1.02x). bf16 went from 512 to 1,024 rows with the native decoder layer
-# (fused_layer), which takes a step only when all its products are row-wise: whole bf16 steps of
-# 758-1,008 rows beside 8-58 decodes then took 0.88-0.94x the time, a lone 800-token prompt 0.96x
-# (session 16). Other builds keep oneDNN past small_gemm_max_rows() (not measured).
-WHOLE_ROWS = {torch.float32: 1024, torch.bfloat16: 1024}  # up to these rows, always
-WHOLE_ROW_COST = 1.06  # past them, when rows x this is under the bucket's rows
-
-
-def small_gemm_whole(m: int, padded: int, dtype: torch.dtype) -> bool:
-    """A product of m rows (oneDNN would run ``padded``) is faster in the native kernel whole."""
-    lib = library()
-    if lib is None or lib.vector_width != 16 or dtype not in WHOLE_ROWS:
-        return False
-    if dtype == torch.bfloat16 and not lib.bf16_packed:
-        return False
-    return m <= WHOLE_ROWS[dtype] or m * WHOLE_ROW_COST < padded
-
+from kvledger.kernels.native_build import library
 
 # Element codes of csrc/simd.h.
 ELEM = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "fp8": 4}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("KVLEDGER_CACHE_DIR")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvledger"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_isas() -> list[str]:
-    """The instruction sets of ISAS this CPU runs, best first."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return []
-    flags = set(_cpu_flags().split())
-    return [isa for isa, (needs, _) in ISAS.items() if flags.issuperset(needs)]
-
-
-def isa_flags(isa: str) -> list[str]:
-    """Compiler flags of one instruction set; avx512 adds vdpbf16ps and vpdpwssd where the CPU
-    has them (avx512-base never does)."""
-    flags = list(ISAS[isa][1])
-    cpu = _cpu_flags().split()
-    if isa == "avx512" and "avx512_bf16" in cpu:
-        flags += ["-mavx512bf16", "-DKVL_AVX512BF16"]
-    if isa == "avx512" and "avx512_vnni" in cpu:
-        flags += ["-mavx512vnni", "-DKVL_AVX512VNNI"]
-    return flags
-
-
-def build(cc: str | None = None, out_dir: Path | None = None, isa: str = "avx2") -> Path:
-    """Compile every csrc/*.c for one instruction set into one shared library (or reuse the
-    cached one); return its path.
-
-    The cache key covers the sources and headers, the flags, the compiler and the CPU's flags.
-    Raises OSError / SubprocessError on failure.
-    """
-    cc = cc or os.environ.get("CC") or "cc"
-    cc_path = shutil.which(cc)
-    if cc_path is None:
-        raise OSError(f"no C compiler {cc!r} on PATH")
-    flags = [*CFLAGS, *isa_flags(isa)]
-    sources = sorted(CSRC.glob("*.c"))
-    headers = sorted(CSRC.glob("*.h"))
-    h = hashlib.sha256()
-    for part in [
-        *(p.read_bytes() for p in [*sources, *headers]),
-        " ".join(flags).encode(),
-        cc_path.encode(),
-        _cpu_flags().encode(),
-    ]:
-        h.update(part + b"\0")
-    out_dir = out_dir or cache_dir()
-    target = out_dir / f"kvledger_native-{isa}-{h.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as work:
-        # One compiler per source, in parallel (the first start on a machine waits for this).
-        objects = [os.path.join(work, f"{p.stem}.o") for p in sources]
-        procs = [
-            subprocess.Popen(
-                [cc_path, *flags, "-c", "-o", o, str(p)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-            )
-            for p, o in zip(sources, objects, strict=True)
-        ]
-        try:
-            for proc in procs:
-                _, err = proc.communicate(timeout=300)
-                if proc.returncode != 0:
-                    raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        tmp = os.path.join(work, "lib.so")
-        subprocess.run([cc_path, *flags, "-o", tmp, *objects, "-lm"], check=True, capture_output=True, timeout=300)
-        os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
-    return target
-
-
-def _supported_cpu() -> bool:
-    return bool(cpu_isas())
-
-
-def enabled() -> bool:
-    return os.environ.get("KVLEDGER_NATIVE", "1") != "0" and os.environ.get(ISA_ENV, "") != "torch"
-
-
-def selected_isa() -> str | None:
-    """The instruction set library() loads: KVLEDGER_NATIVE_ISA if this CPU runs it, else the
-    best this CPU runs; None when the kernels are off or no variant runs here."""
-    if not enabled():
-        return None
-    isas = cpu_isas()
-    want = os.environ.get(ISA_ENV, "")
-    if want:
-        if want not in ISAS:
-            raise ValueError(f"{ISA_ENV}={want!r}: expected one of {', '.join([*ISAS, 'torch'])}")
-        if want not in isas:
-            logger.warning("%s=%s: this CPU lacks it; using %s", ISA_ENV, want, isas[0] if isas else "torch")
-        else:
-            return want
-    return isas[0] if isas else None
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels with their signatures declared, or None where they cannot run here
-    (then every caller uses torch's kernels)."""
-    isa = selected_isa()
-    if isa is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(build(isa=isa)))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = e.stderr.decode(errors="replace")[-500:] if getattr(e, "stderr", None) else e
-        logger.warning("native kernels unavailable, using torch's: %s", detail)
-        return None
-    i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
-               lib.kvl_small_gemm_bf16_packed_f32out):
-        fn.argtypes = [ptr] * 4 + [i64] * 3 + [c_int]
-    lib.kvl_packed_weight_numel.argtypes = [i64, i64]
-    lib.kvl_packed_weight_numel.restype = i64
-    lib.kvl_pack_weight.argtypes = [ptr, ptr, i64, i64, c_int]
-    lib.kvl_paged_decode.argtypes = [
-        ptr, i64, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, c_int,
-        i64, i64, i64, i64, c_float, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, c_int,
-    ]  # fmt: skip
-    lib.kvl_paged_prefill.argtypes = [
-        ptr, i64, ptr, ptr, c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, c_int, i64, i64, i64, i64, c_float,
-        c_int,
-    ]  # fmt: skip
-    for fn in (lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16):
-        fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
-    for fn in (lib.kvl_rms_norm, lib.kvl_rms_norm_bf16):
-        fn.argtypes = [ptr, ptr, ptr, i64, i64, c_float, c_int]
-    for fn in (lib.kvl_silu_mul, lib.kvl_silu_mul_bf16):
-        fn.argtypes = [ptr, ptr, i64, i64, c_int]
-    lib.kvl_write_kv.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, c_int]
-    for fn in (lib.kvl_add_rms_norm, lib.kvl_add_rms_norm_bf16):
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, c_float, c_int]
-    lib.kvl_decoder_layer.argtypes = [ptr, ptr, ptr]  # structs of kvledger.kernels.fused_layer
-    lib.kvl_quantize_write.argtypes = [ptr, ptr, i64, c_int, ptr, i64, i64, i64, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
-    lib.kvl_masked_argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, c_int]
-    lib.kvl_masked_argmax.restype = c_int
-    lib.kvl_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, c_int]
-    lib.kvl_argmax_rows.restype = c_int
-    for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
-               lib.kvl_small_gemm_bf16_packed_f32out, lib.kvl_pack_weight, lib.kvl_bf16_packed_available,
-               lib.kvl_paged_decode, lib.kvl_paged_prefill, lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16,
-               lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul, lib.kvl_silu_mul_bf16,
-               lib.kvl_quantize_write, lib.kvl_write_kv, lib.kvl_add_rms_norm, lib.kvl_add_rms_norm_bf16,
-               lib.kvl_decoder_layer):
-        fn.restype = c_int
-    lib.isa = isa
-    lib.bf16_packed = bool(lib.kvl_bf16_packed_available())
-    lib.tile_width = lib.kvl_packed_tile_width()
-    lib.vector_width = lib.kvl_vector_width()
-    return lib
 
 
 def available(t: torch.Tensor) -> bool:
@@ -346,12 +96,19 @@ def rope_(
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, invariant_rows: int = 0
+) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim (a multiple of 8); x and weight both
-    float32 or both bfloat16 (normalised in float32, rounded, then times the weight: HF's order)."""
+    float32 or both bfloat16 (normalised in float32, rounded, then times the weight: HF's order).
+    A 2-D result feeds a GEMM: allocated with its padding rows (gemm_rows.empty_rows; the step's
+    ``invariant_rows`` say which products pad nothing)."""
     x = x.contiguous()
     n = x.shape[-1]
-    y = empty_rows(x.shape[0], n, x.dtype) if x.dim() == 2 else torch.empty_like(x)  # feeds a GEMM
+    if x.dim() == 2:  # feeds a GEMM
+        y = empty_rows(x.shape[0], n, x.dtype, invariant_rows=invariant_rows)
+    else:
+        y = torch.empty_like(x)
     lib = library()
     fn = lib.kvl_rms_norm_bf16 if _bf16(x) else lib.kvl_rms_norm
     _check(
@@ -361,10 +118,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for a contiguous [rows, 2 * inter] float32/bfloat16 tensor of [gate | up] rows."""
+def silu_mul(gate_up: torch.Tensor, invariant_rows: int = 0) -> torch.Tensor:
+    """silu(gate) * up for a contiguous [rows, 2 * inter] float32/bfloat16 tensor of [gate | up]
+    rows, allocated as the down projection's input (see rms_norm)."""
     rows, width = gate_up.shape
-    out = empty_rows(rows, width // 2, gate_up.dtype)  # the down projection's input
+    out = empty_rows(rows, width // 2, gate_up.dtype, invariant_rows=invariant_rows)
     lib = library()
     fn = lib.kvl_silu_mul_bf16 if _bf16(gate_up) else lib.kvl_silu_mul
     _check(fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()), "silu_mul")
@@ -438,7 +196,7 @@ def small_gemm(
     if weight.blocked and weight.tile != lib.tile_width:
         raise ValueError(
             f"small_gemm: weight laid out in tiles of {weight.tile} outputs, the loaded build's "
-            f"are {lib.tile_width} (pack it again after changing {ISA_ENV})"
+            f"are {lib.tile_width} (pack it again after changing KVLEDGER_NATIVE_ISA)"
         )
     float_out = float_out and _bf16(x) and out is None
     if float_out:

@@ -16,31 +16,11 @@ import torch
 from safetensors import safe_open
 
 from kvledger.errors import ConfigError
+from kvledger.hf.config import quantization_block_size, quantization_method
 
 _FP8_DTYPES = tuple(
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz") if hasattr(torch, n)
 )
-SUPPORTED_QUANTIZATION = ("fp8",)
-
-
-def quantization_method(hf_config: dict[str, Any]) -> str | None:
-    """The checkpoint's quantization method if it has one we can load; ConfigError otherwise."""
-    q = hf_config.get("quantization_config")
-    if not q:
-        return None
-    if not isinstance(q, dict):
-        raise ConfigError("config.json's quantization_config is not an object")
-    method = str(q.get("quant_method") or q.get("quantization_method") or "unknown").lower()
-    if method not in SUPPORTED_QUANTIZATION:
-        raise ConfigError(
-            f"quantization_config method {method!r} is not supported: kvledger loads unquantised "
-            "checkpoints and FP8 ones (quant_method 'fp8', dequantised on load); use an "
-            "unquantised checkpoint of this model"
-        )
-    fmt = q.get("fmt", "e4m3")
-    if fmt not in ("e4m3", "e5m2"):
-        raise ConfigError(f"fp8 quantization_config fmt {fmt!r} is not supported (e4m3, e5m2)")
-    return method
 
 
 def _read_index(path: Path) -> dict[str, str]:
@@ -60,8 +40,7 @@ class CheckpointReader:
         self.files = self._weight_files(path)
         cfg = hf_config or {}
         self.quantization = quantization_method(cfg)
-        q = cfg.get("quantization_config") or {}
-        self.block_size: list[int] | None = q.get("weight_block_size")
+        self.block_size: list[int] | None = quantization_block_size(cfg)
         self._open: dict[Path, Any] = {}
 
     @staticmethod

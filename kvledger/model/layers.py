@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvledger.kernels import native
-from kvledger.kernels.gemm_rows import ROW_INVARIANT, gemm_rows_bucket, row_wise, rows_view
+from kvledger.kernels.gemm_rows import RowInvariance, gemm_rows_bucket, row_wise, rows_view
 from kvledger.storage import host_memory
 
 
@@ -23,10 +23,18 @@ class Linear(nn.Module):
     nn.Linear's random init keeps meta-device construction free (it would import torch._dynamo)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, weight: torch.Tensor | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        weight: torch.Tensor | None = None,
+        row_invariance: RowInvariance | None = None,
     ) -> None:
-        """``weight``: use this existing [out, in] tensor (a tied LM head shares the embedding's)."""
+        """``weight``: use this existing [out, in] tensor (a tied LM head shares the embedding's).
+        ``row_invariance``: the owning model's (which leading rows take the row-wise kernel);
+        a standalone Linear gets its own, which nothing sets."""
         super().__init__()
+        self.row_invariance = RowInvariance() if row_invariance is None else row_invariance
         if weight is None:
             weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight = weight
@@ -49,10 +57,11 @@ class Linear(nn.Module):
         order. The weight is reordered into that layout once (float32, and bfloat16 where oneDNN has
         native bf16).
 
-        Products of at most native.small_gemm_max_rows() rows (decode steps) go to native.small_gemm
-        instead when it is available, on its own copy laid out for it (native.pack_weight, on
-        huge pages): it streams the weight near memory bandwidth, faster still than the packed
-        GEMM at those sizes (in bfloat16 it streams half the bytes and accumulates in float32).
+        Products of at most gemm_rows.small_gemm_max_rows() rows (decode steps) go to
+        native.small_gemm instead when it is available, on its own copy laid out for it
+        (native.pack_weight, on huge pages): it streams the weight near memory bandwidth, faster
+        still than the packed GEMM at those sizes (in bfloat16 it streams half the bytes and
+        accumulates in float32).
 
         With both copies made, the plain weight is no longer read and is dropped (a meta
         tensor keeps its shape and dtype for accounting), so a weight costs two copies, not
@@ -78,15 +87,15 @@ class Linear(nn.Module):
 
     def _row_wise(self, x: torch.Tensor) -> bool:
         """Every row of x takes the native row-wise kernel (gemm_rows.row_wise)."""
-        return self._native_takes(x) and row_wise(x.shape[0], x.dtype)
+        return self._native_takes(x) and self.row_invariance.row_wise(x.shape[0], x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._native_takes(x):
             return self._big(x)
         small, m = self.small, x.shape[0]
-        if row_wise(m, x.dtype):
+        if self.row_invariance.row_wise(m, x.dtype):
             return native.small_gemm(x, small, self.bias)
-        n = ROW_INVARIANT.rows if x.dtype == torch.bfloat16 else 0
+        n = self.row_invariance.rows if x.dtype == torch.bfloat16 else 0
         if n > 0 and m >= OVERWRITE_MIN_ROWS and n * OVERWRITE_MAX_FRACTION <= m:
             # A few decode rows beside a long prefill: all rows through oneDNN, then the
             # decode rows overwritten in place by the row-wise kernel. Their products are
@@ -101,7 +110,8 @@ class Linear(nn.Module):
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """self(x).float(); a bfloat16 product that takes the row-wise kernel (all rows within
-        ROW_INVARIANT: the LM head) gets its float32 copy from the kernel, same values."""
+        the model's RowInvariance: the LM head) gets its float32 copy from the kernel, same
+        values."""
         if x.dtype == torch.bfloat16 and self._row_wise(x):
             return native.small_gemm(x, self.small, self.bias, float_out=True)
         return self(x).float()
@@ -175,7 +185,7 @@ def warm_up_gemm_shapes(
     for m in [*model.modules(), head]:
         if isinstance(m, Linear) and m.packed is not None:
             if m is head and m.native_small and m.weight.dtype == torch.bfloat16:
-                continue  # bf16 LM-head rows all take the native kernel (ROW_INVARIANT)
+                continue  # bf16 LM-head rows all take the native kernel (RowInvariance)
             key = (tuple(m.weight.shape), m.weight.dtype, m.bias is None)
             rows = head_rows if m is head else max_rows
             shapes[key] = (m, max(rows, shapes.get(key, (m, 0))[1]))
@@ -226,8 +236,17 @@ class RMSNorm(nn.Module):
     before the cast back, as HF's GemmaRMSNorm does.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        unit_offset: bool = False,
+        row_invariance: RowInvariance | None = None,
+    ) -> None:
+        """``row_invariance``: the owning model's, which says whether the GEMM the output feeds
+        pads its rows (so whether to allocate them, gemm_rows.empty_rows)."""
         super().__init__()
+        self.row_invariance = RowInvariance() if row_invariance is None else row_invariance
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.eps = eps
         self.unit_offset = unit_offset
@@ -238,7 +257,7 @@ class RMSNorm(nn.Module):
             return self._forward_offset(x)
         input_dtype = x.dtype
         if x.shape[-1] % 8 == 0 and native.available(x) and self.weight.dtype == input_dtype:
-            return native.rms_norm(x, self.weight, self.eps)
+            return native.rms_norm(x, self.weight, self.eps, self.row_invariance.rows)
         if input_dtype == torch.float32 and self.weight.dtype == torch.float32:
             # The fused kernel gives the same bits as HF's composite in float32, in one op.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -252,7 +271,7 @@ class RMSNorm(nn.Module):
             self._scale = 1.0 + self.weight.detach().float()
         if x.dtype == torch.float32:
             if x.shape[-1] % 8 == 0 and native.available(x):
-                return native.rms_norm(x, self._scale, self.eps)
+                return native.rms_norm(x, self._scale, self.eps, self.row_invariance.rows)
             return F.rms_norm(x, self._scale.shape, self._scale, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -472,14 +491,24 @@ class GatedMLP(nn.Module):
     """SiLU-gated MLP with gate and up fused into one matmul ([gate; up] rows)."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        act: str = "silu",
+        row_invariance: RowInvariance | None = None,
     ) -> None:
+        """``row_invariance``: the owning model's, shared with both projections."""
         super().__init__()
+        self.row_invariance = RowInvariance() if row_invariance is None else row_invariance
         self.act_name = act
         self.act = activation(act)
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        rows = self.row_invariance
+        self.gate_up_proj = Linear(
+            hidden_size, 2 * intermediate_size, bias=bias, row_invariance=rows
+        )
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, row_invariance=rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -489,6 +518,6 @@ class GatedMLP(nn.Module):
             and gate_up.dim() == 2
             and native.available(gate_up)
         ):
-            return self.down_proj(native.silu_mul(gate_up.contiguous()))
+            return self.down_proj(native.silu_mul(gate_up.contiguous(), self.row_invariance.rows))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)

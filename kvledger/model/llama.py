@@ -10,20 +10,18 @@ so one class covers them, each option following its HF model's order of operatio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvledger.hf.config import ModelConfig
 from kvledger.kernels import native
 from kvledger.kernels.fused_layer import FusedLayers
-from kvledger.ledger.accounting import SLIDING
+from kvledger.kernels.gemm_rows import RowInvariance
 from kvledger.model.attention.backend import AttentionBackend
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
 from kvledger.model.layers import (
-    ROW_INVARIANT,
     Embedding,
     GatedMLP,
     Linear,
@@ -36,56 +34,8 @@ from kvledger.model.moe import SparseMoE
 from kvledger.storage.kv_cache import LayerKVCache
 
 
-@dataclass
-class ModelConfig:
-    """The architecture facts the model needs, normalised from an HF config.json by the loader
-    (the shape fields come from ModelSpec.from_hf_config, the one place a config is read)."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None  # {"rope_type": ..., parameters}; None for default RoPE
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm on q and k before RoPE
-    layer_types: tuple[str, ...] | None = None  # None: every layer full attention
-    sliding_window: int | None = None
-    # Sliding layers' own RoPE (Gemma 3's local base); None: the same RoPE as full layers.
-    local_rope_theta: float | None = None
-    local_rope_scaling: dict | None = None
-    rotary_dim: int | None = None  # partial rotary (Phi-4-mini); None: head_dim
-    hidden_act: str = "silu"
-    norm_unit_offset: bool = False  # Gemma: RMSNorm scale is (1 + w)
-    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP
-    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
-    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
-    attn_softcap: float | None = None  # Gemma 2: tanh soft-capping of attention scores
-    final_softcap: float | None = None  # Gemma 2/3: tanh soft-capping of the logits
-    num_experts: int = 0  # > 0: sparse MoE MLP (Mixtral, Qwen3-MoE)
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int | None = None
-    norm_topk_prob: bool = True
-    moe_layers: tuple[bool, ...] | None = None  # which layers are sparse (None: all, with experts)
-
-    def is_sliding(self, layer: int) -> bool:
-        return bool(self.layer_types and self.sliding_window and self.layer_types[layer] == SLIDING)
-
-    def is_moe(self, layer: int) -> bool:
-        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, row_invariance: RowInvariance) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -97,11 +47,14 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         self.local_rope = cfg.is_sliding(layer) and cfg.local_rope_theta is not None
         # q, k, v in one matmul: one weight read and one dispatch instead of three.
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        rows = row_invariance
+        self.qkv_proj = Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, row_invariance=rows
+        )
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, row_invariance=rows)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset, rows)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset, rows)
         else:
             self.q_norm = self.k_norm = None
 
@@ -144,9 +97,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, row_invariance: RowInvariance) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        rows = row_invariance
+        self.self_attn = Attention(cfg, layer, rows)
         if cfg.is_moe(layer):
             self.mlp: nn.Module = SparseMoE(
                 cfg.hidden_size,
@@ -155,18 +109,23 @@ class DecoderLayer(nn.Module):
                 cfg.num_experts_per_tok,
                 cfg.norm_topk_prob,
                 cfg.hidden_act,
+                row_invariance=rows,
             )
         else:
             self.mlp = GatedMLP(
-                cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, act=cfg.hidden_act
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                bias=cfg.mlp_bias,
+                act=cfg.hidden_act,
+                row_invariance=rows,
             )
         eps, offset = cfg.rms_norm_eps, cfg.norm_unit_offset
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset, rows)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset, rows)
         self.sandwich = cfg.sandwich_norms
         if cfg.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset, rows)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset, rows)
 
     def forward(
         self,
@@ -189,11 +148,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, row_invariance: RowInvariance) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, row_invariance) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset, row_invariance)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -208,9 +169,16 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        # This model's bf16 batch invariance (gemm_rows.RowInvariance): set around each forward,
+        # read by the modules and the attention backend built with it. Per model, never global:
+        # a second model in the process (a draft model) has its own.
+        self.row_invariance = RowInvariance()
+        self.model = LlamaModel(cfg, self.row_invariance)
+        rows = self.row_invariance
         self.lm_head = (
-            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, row_invariance=rows)
         )
         # The RoPE tables are computed, not loaded: built on the real device even when the
         # weights are constructed on the meta device.
@@ -234,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
                 device=rope_device,
                 model_max_positions=cfg.max_position_embeddings,
             )
-        self.attn_backend: AttentionBackend = TorchAttentionBackend()
+        self.attn_backend: AttentionBackend = TorchAttentionBackend(self.row_invariance)
         self.__dict__["tied_head"] = None  # packed copy of a tied LM head, see pack_linears()
         # Tensor parallelism: joins the ranks' vocabulary slices of the logits
         # (kvledger.distributed.sharding); None on one device.
@@ -281,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         lens = attn_metadata.query_lens_list
         decodes = next((i for i, n in enumerate(lens) if n != 1), len(lens))
         per_layer = attn_metadata.per_layer or [attn_metadata] * len(kv_caches)
-        with ROW_INVARIANT.leading(decodes):
+        with self.row_invariance.leading(decodes):
             fused = self.fused_layers  # every layer in one native call each, where the step allows
             out = None if fused is None else fused.run(h, rope, attn_metadata, kv_caches, backend)
             if out is not None:
@@ -303,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
         head = self.head
         cap = self.config.final_softcap
         if head is not None:
-            with ROW_INVARIANT.leading(hidden_states.shape[0]):  # one row per request
+            with self.row_invariance.leading(hidden_states.shape[0]):  # one row per request
                 if self.vocab_gather is None and cap is None:
                     return head.forward_float(hidden_states)
                 logits = head(hidden_states)
@@ -324,7 +292,9 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         if self.lm_head is None:
             embed = self.model.embed_tokens.weight
-            head = Linear(embed.shape[1], embed.shape[0], weight=embed)
+            head = Linear(
+                embed.shape[1], embed.shape[0], weight=embed, row_invariance=self.row_invariance
+            )
             head.pack()
             emb = self.model.embed_tokens
             if head.weight.is_meta:  # its plain copy dropped (Linear.pack)

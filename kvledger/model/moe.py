@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvledger.kernels.gemm_rows import RowInvariance
 from kvledger.model.layers import Linear, activation
 
 
@@ -29,7 +30,9 @@ class SparseMoE(nn.Module):
         top_k: int,
         normalize_top_k: bool,
         act: str = "silu",
+        row_invariance: RowInvariance | None = None,
     ) -> None:
+        """``row_invariance``: the owning model's, for the router's matmul."""
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -37,7 +40,7 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.normalize_top_k = normalize_top_k
         self.act = activation(act)
-        self.gate = Linear(hidden_size, num_experts)  # the router
+        self.gate = Linear(hidden_size, num_experts, row_invariance=row_invariance)  # the router
         self.w_gate_up = nn.Parameter(
             torch.empty(num_experts * 2 * intermediate_size, hidden_size), requires_grad=False
         )

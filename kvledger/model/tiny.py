@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from kvledger.ledger.accounting import PRESETS
+from kvledger import envs
+from kvledger.ledger.spec import PRESETS
 
 VERSION = "v1"
 _SEED = 1234
@@ -34,9 +35,9 @@ _CHAT_TEMPLATE = (
 
 
 def default_model_path() -> Path:
-    """Build the model folder once (well under a second) and return its path."""
-    root = Path(os.environ.get("KVLEDGER_CACHE", Path.home() / ".cache" / "kvledger"))
-    path = root / f"kvledger-tiny-{VERSION}"
+    """Build the model folder once (well under a second) in kvledger's cache directory
+    (KVLEDGER_CACHE_DIR, kvledger.envs) and return its path."""
+    path = envs.KVLEDGER_CACHE_DIR / f"kvledger-tiny-{VERSION}"
     if not (path / "model.safetensors").exists():
         build_tiny_model(path)
     return path

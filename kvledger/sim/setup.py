@@ -15,13 +15,8 @@ from kvledger.cache.kv_cache_groups import kv_cache_layout
 from kvledger.cache.kv_cache_manager import cdiv
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.errors import ConfigError
-from kvledger.ledger.accounting import (
-    DoesNotFitError,
-    ModelSpec,
-    kv_bytes_per_token,
-    load_model_spec,
-    plan_capacity,
-)
+from kvledger.ledger.accounting import DoesNotFitError, kv_bytes_per_token, plan_capacity
+from kvledger.ledger.spec import ModelSpec, load_model_spec
 from kvledger.sim.cost_model import GPU_PRESETS, StepCostModel, calibrate_cpu, gpu_cost_model
 from kvledger.sim.simulator import SimResult, Simulator
 from kvledger.sim.trace import TraceRequest

@@ -13,11 +13,12 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-import os
 import sys
 
 import numpy as np
 import torch
+
+from kvledger import envs
 
 HUGE_PAGE = 2 << 20
 
@@ -63,7 +64,7 @@ def keep_freed_memory() -> bool:
     that the heap stays at its peak (a step's activations, tens of MiB). Off with
     KVLEDGER_MALLOPT=0; returns whether it was applied (glibc only).
     """
-    if os.environ.get("KVLEDGER_MALLOPT", "1") == "0" or not sys.platform.startswith("linux"):
+    if not envs.KVLEDGER_MALLOPT or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None)

@@ -8,13 +8,12 @@ accepted (appended) tokens. n > 1 children fork the parent's matcher before any 
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from kvledger.errors import ConfigError
+from kvledger import envs
 
 logger = logging.getLogger("kvledger")
 
@@ -64,12 +63,7 @@ def mask_threads() -> int:
     the 2-thread mask work made constrained decoding 15-19 % slower than unconstrained, the
     serial one 2-4 % (xgrammar's batched fill starts new threads on every call, and each
     OpenMP region waits for its slowest thread); more threads may pay on larger machines."""
-    env = os.environ.get(MASK_THREADS_ENV, "")
-    if not env:
-        return 1
-    if not env.isdigit() or int(env) < 1:
-        raise ConfigError(f"{MASK_THREADS_ENV} must be a positive integer, got {env!r}")
-    return int(env)
+    return envs.KVLEDGER_MASK_THREADS  # a ConfigError naming it when it is not a positive integer
 
 
 class MaskBuffer:

@@ -21,6 +21,8 @@ import argparse
 import os
 import sys
 
+from kvledger import envs
+
 
 def parse_address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if name not in os.environ:
             raise SystemExit(f"{name} is not set: start workers with torchrun (or set it yourself)")
-    key = os.environ.get("KVLEDGER_TP_AUTHKEY")
+    key = envs.KVLEDGER_TP_AUTHKEY
     if not key:
         raise SystemExit("KVLEDGER_TP_AUTHKEY is not set: use the driver's secret")
     from kvledger.worker.tp_worker import run_worker

@@ -20,6 +20,7 @@ from multiprocessing.connection import Client, Connection
 import torch
 import torch.distributed as dist
 
+from kvledger import envs
 from kvledger.core.sched_output import SchedulerOutput
 from kvledger.distributed import parallel_state
 from kvledger.worker.messages import Shutdown, StepResult, WorkerFailed, WorkerSpec
@@ -57,7 +58,7 @@ def run_worker(driver: tuple[str, int], authkey: bytes, num_threads: int | None 
     """Serve one driver until it says Shutdown or goes away. Returns the exit code."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    conn = _connect(driver, authkey, float(os.environ.get("KVLEDGER_WORKER_CONNECT_TIMEOUT", "120")))
+    conn = _connect(driver, authkey, envs.KVLEDGER_WORKER_CONNECT_TIMEOUT)
     conn.send(("hello", rank, world_size))
     try:
         spec: WorkerSpec = conn.recv()

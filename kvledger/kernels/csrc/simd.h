@@ -1,6 +1,6 @@
 /* Vector helpers shared by the kernels in this folder, for two instruction sets.
  *
- * Every source here is compiled twice (kvledger/kernels/native.py): once for AVX2+FMA+F16C
+ * Every source here is compiled twice (kvledger/kernels/native_build.py): once for AVX2+FMA+F16C
  * (8 float lanes) and once with AVX-512 F/BW/VL/DQ (16 lanes), and -mavx512bf16 plus
  * KVL_AVX512BF16 where the CPU has avx512_bf16, -mavx512vnni plus KVL_AVX512VNNI where it has
  * avx512_vnni. The kernels are written once against `vf`

@@ -17,7 +17,7 @@
  * tiles. Each output depends only on its own row of x and of W, never on M, the tile or the
  * thread split (batch invariance, tests/test_native.py).
  *
- * Built on first use by kvledger/kernels/native.py; K must be a multiple of 8.
+ * Built on first use by kvledger/kernels/native_build.py; K must be a multiple of 8.
  */
 #include <immintrin.h>
 #include <omp.h>

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvledger.kernels import native
-from kvledger.kernels.gemm_rows import empty_rows
+from kvledger.kernels.gemm_rows import RowInvariance
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.storage.kv_cache import LayerKVCache
 from kvledger.storage.kv_overlay import (
@@ -140,7 +140,10 @@ class TorchAttentionBackend:
     where they run; else per-request SDPA for prefill chunks and grouped padded SDPA for
     decodes."""
 
-    def __init__(self) -> None:
+    def __init__(self, row_invariance: RowInvariance | None = None) -> None:
+        """``row_invariance``: the model's (whether the o_proj its output feeds pads its rows);
+        a backend of its own gets one that nothing sets."""
+        self.row_invariance = RowInvariance() if row_invariance is None else row_invariance
         # Per-step plan, built by the first layer and reused by the others (same metadata object).
         self._plan_meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
@@ -174,7 +177,8 @@ class TorchAttentionBackend:
             if plan.overlay_dst is not None:
                 layer_cache.write_overlay(k, v, plan.overlay_src, plan.overlay_dst)
             return out
-        out = empty_rows(num_tokens, num_heads * head_dim, q.dtype, q.device)  # o_proj's input
+        # o_proj's input
+        out = self.row_invariance.empty_rows(num_tokens, num_heads * head_dim, q.dtype, q.device)
         for c in plan.chunks:
             out[c.start : c.end] = self._attend_chunk(q, k, v, layer_cache, c, scale)
         if nd is not None or npf is not None:
