@@ -11,13 +11,12 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvledger.cache.table_delta import TableDeltas
-from kvledger.core.request import Request
-from kvledger.core.scheduler import SchedulerOutput
 from kvledger.kernels import native
 from kvledger.logprobs import Logprob
 from kvledger.model.attention.metadata import AttentionMetadata
@@ -25,6 +24,10 @@ from kvledger.sample.sampler import SampleRequest, make_logprobs, sample
 from kvledger.storage.kv_cache import HostKVPool, KVCachePool
 from kvledger.structured.state import MaskBuffer
 from kvledger.worker.block_table import BlockTable
+
+if TYPE_CHECKING:  # hints only: the worker sits below the engine core (tests/test_layers.py)
+    from kvledger.core.request import Request
+    from kvledger.core.scheduler import SchedulerOutput
 
 
 @dataclass
