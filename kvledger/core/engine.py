@@ -7,6 +7,7 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -321,6 +322,9 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.stream_outputs = False  # True: step() reports every updated request (servers)
         self.step_trace = StepTrace.from_env()  # KVLEDGER_STEP_TRACE: a line per step
+        # Called with each step's SchedulerOutput before the model runs (requests' computed
+        # counts are still the step's start): the simulator's calibration reads steps here.
+        self.schedule_observers: list[Callable[[SchedulerOutput], None]] = []
         self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._publish_kv_events()
@@ -545,6 +549,8 @@ class LLMEngine:
         if self.structured.compiling:
             self._admit_compiled(touched)
         so = self.scheduler.schedule()
+        for observe in self.schedule_observers:
+            observe(so)
         trace = self.step_trace is not None and so.scheduled
         if trace:
             composition, start = StepTrace.composition(so), time.monotonic()
