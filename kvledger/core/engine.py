@@ -32,13 +32,14 @@ from kvledger.ledger.accounting import (
 from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.logprobs import Logprob
 from kvledger.model.layers import warm_up_gemm_shapes
-from kvledger.model.loader import load_model, load_tokenizer
+from kvledger.model.loader import load_model
 from kvledger.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
 from kvledger.storage import host_memory
 from kvledger.storage.kv_cache import HostKVPool, KVCachePool
 from kvledger.storage.kv_overlay import SINK_CACHE_ENTRIES
 from kvledger.structured.manager import StructuredOutputManager
+from kvledger.tokenizer import maybe_tokenizer as _maybe_tokenizer
 from kvledger.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger("kvledger")
@@ -801,20 +802,6 @@ def _cuda_memory(engine) -> dict:
             weights=prof.weights, peak_activation=prof.peak_activation, non_torch=prof.non_torch
         )
     return d
-
-
-def _maybe_tokenizer(path: str):
-    """The folder's tokenizer; None for a weights-only folder (token-id prompts only)."""
-    from pathlib import Path
-
-    p = Path(path)
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if p.is_dir() and not any((p / f).exists() for f in names):
-        logger.warning("no tokenizer in %s: only token-id prompts are accepted", path)
-        return None
-    tok = load_tokenizer(path)
-    tok.model_max_length = 1 << 60  # the engine checks lengths itself, with a clear error
-    return tok
 
 
 _GENERATION_KEYS = {  # generation_config.json key -> SamplingParams field (vLLM's set)

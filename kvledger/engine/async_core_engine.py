@@ -18,14 +18,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvledger.engine.async_engine import (
+from kvledger.engine.core_client import EngineCoreClient
+from kvledger.engine.engine_info import EngineInfo
+from kvledger.engine.front import (
     EngineObserver,
     RequestStream,
     StreamingFront,
     tokenize_prompt,
 )
-from kvledger.engine.core_client import EngineCoreClient
-from kvledger.engine.engine_info import EngineInfo
 from kvledger.errors import EngineDeadError, InvalidRequestError
 from kvledger.outputs import RequestOutput
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
@@ -187,14 +187,14 @@ class AsyncCoreEngine(StreamingFront):
 def start_cores(configs: list[Any], torch_threads: int | None) -> tuple[list[EngineCoreClient], Any]:
     """One engine core per config (core i gets index i), and the front end's tokenizer loaded
     while they build their engines; on any failure every core started so far is closed."""
-    from kvledger.core.engine import _maybe_tokenizer
+    from kvledger.tokenizer import maybe_tokenizer
 
     clients: list[EngineCoreClient] = []
     try:
         for i, config in enumerate(configs):
             clients.append(EngineCoreClient(config, i, torch_threads))
         with ThreadPoolExecutor(1) as pool:  # forked first: no thread exists at fork time
-            tok = pool.submit(_maybe_tokenizer, str(configs[0].tokenizer or configs[0].model))
+            tok = pool.submit(maybe_tokenizer, str(configs[0].tokenizer or configs[0].model))
             for c in clients:
                 c.wait_ready()
             return clients, tok.result()

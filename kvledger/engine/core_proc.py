@@ -143,7 +143,7 @@ class EngineCore:
         self.out.send_multipart([wire.OUTPUTS, wire.encode_outputs(outs)], copy=False)
 
     def _handle(self, frames: list, outs: list) -> None:
-        from kvledger.engine.async_engine import add_served_request
+        from kvledger.engine.front import add_served_request
 
         kind, body = frames[0].bytes, frames[1].buffer if len(frames) > 1 else b""
         eng = self.engine

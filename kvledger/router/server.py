@@ -60,7 +60,7 @@ class Tokenizer:
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
-        from kvledger.model.loader import bound_bpe_cache
+        from kvledger.tokenizer import bound_bpe_cache
 
         self.tok = AutoTokenizer.from_pretrained(path)
         bound_bpe_cache(self.tok)  # the router tokenizes every request too

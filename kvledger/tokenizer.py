@@ -1,0 +1,59 @@
+"""Loading a model folder's tokenizer, for every process that tokenizes: the engine (its
+detokenizer, stop strings, chat), a server's front end and the router.
+
+It imports no kvledger model code, so a front end that runs no model (``kvledger serve``'s,
+over engine core processes; ``kvledger router``) loads only the tokenizer. Transformers itself
+(5.x) imports torch when its tokenizer classes load (``configuration_utils`` ->
+``modeling_rope_utils``), so a process that loads a tokenizer has torch in it even so; only
+the import of these modules is free of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from kvledger.errors import ConfigError
+
+logger = logging.getLogger("kvledger")
+
+BPE_CACHE_WHOLE_TEXT = 1_000
+
+
+def load_tokenizer(path: str | Path):
+    """The folder's own tokenizer (tokenizer.json etc.), never downloaded."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load the tokenizer from {path}: {e}") from e
+    bound_bpe_cache(tok)
+    return tok
+
+
+def maybe_tokenizer(path: str):
+    """The folder's tokenizer; None for a weights-only folder (token-id prompts only)."""
+    p = Path(path)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if p.is_dir() and not any((p / f).exists() for f in names):
+        logger.warning("no tokenizer in %s: only token-id prompts are accepted", path)
+        return None
+    tok = load_tokenizer(path)
+    tok.model_max_length = 1 << 60  # the engine checks lengths itself, with a clear error
+    return tok
+
+
+def bound_bpe_cache(tok) -> None:
+    """Shrink the BPE word cache of tokenizers that have no pre-tokenizer to 1,000 entries.
+
+    ``tokenizers`` caches the merges of every "word" under 256 bytes, up to 10,000 of them. With
+    no pre-tokenizer (SentencePiece-style BPE: Llama 2, Mistral v0.1, stories260k) the word is
+    the whole prompt, so a server's cache filled with unique prompts that never repeat: 44 MiB
+    over its first ~27,000 requests in the soak (issue 23), a creep that ends only when the
+    cache is full. Word-level caches (byte-level BPE, split on spaces) keep the default.
+    """
+    backend = getattr(tok, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if backend is not None and backend.pre_tokenizer is None and hasattr(model, "_resize_cache"):
+        model._resize_cache(BPE_CACHE_WHOLE_TEXT)
