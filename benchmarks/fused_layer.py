@@ -1,4 +1,4 @@
-"""The native decoder layer (kvledger.kernels.fused_layer) against the module path, whole steps.
+"""The native decoder layer (kvledger.model.fused_layer) against the module path, whole steps.
 
 One engine on the bench-60m model; once its requests are decoding, steps take turns between the
 native layer and the modules (KVLEDGER_FUSED_LAYER, read every step; common.interleaved_ms, the

@@ -63,12 +63,12 @@ def serve(port: int, model: str, max_num_seqs: int, control_tokens: int = 0) -> 
     import uvicorn
     from fastapi.responses import JSONResponse
 
-    from kvledger.core.engine import LLMEngine
+    from kvledger.engine.builder import build_engine
     from kvledger.llm import build_engine_config
     from kvledger.server.app import ServerConfig, build_app
 
     torch.set_num_threads(1)
-    engine = LLMEngine.from_config(
+    engine = build_engine(
         build_engine_config(
             model,
             max_model_len=MAX_LEN,

@@ -1,8 +1,8 @@
 """kvledger: an LLM inference engine whose core is exact, paged accounting of the KV cache."""
 
 from kvledger.sampling_params import SamplingParams
+from kvledger.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
-from kvledger.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvledger.chat_utils import apply_chat_template
 from kvledger.core.engine import LLMEngine
+from kvledger.engine.arg_utils import build_engine_config  # also kvledger.llm's, as before
+from kvledger.engine.builder import build_engine
 from kvledger.engine.gc_heap import deferred_full_collections
 from kvledger.errors import ConfigError, InvalidRequestError
 from kvledger.inputs import PromptType
@@ -14,60 +15,7 @@ from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.outputs import RequestOutput
 from kvledger.sampling_params import SamplingParams
 
-logger = logging.getLogger("kvledger")
-
-_SCHED = {f for f in SchedulerConfig.__dataclass_fields__}
-_CACHE = {f for f in CacheConfig.__dataclass_fields__}
-_ENGINE = {f for f in EngineConfig.__dataclass_fields__} - {"scheduler", "cache", "model"}
-
-# vLLM keywords that change nothing here, with why (warned about once per process when set to
-# a value that would matter in vLLM).
-_NO_EFFECT: dict[str, tuple[object, str]] = {
-    "trust_remote_code": (False, "kvledger never runs code from a model folder"),
-    "disable_log_stats": (True, "kvledger logs no periodic stats"),
-    "max_seq_len_to_capture": (None, "kvledger's decode graphs cover every context length"),
-    "disable_custom_all_reduce": (True, "kvledger's all-reduce is torch.distributed's"),
-    "compilation_config": (None, "kvledger compiles nothing"),
-    "tokenizer_mode": ("auto", "kvledger always uses the folder's (fast) tokenizer"),
-}
-_warned: set[str] = set()
-
-
-def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
-    """Split flat keyword options (vLLM style) into the three config dataclasses."""
-    from kvledger.hf.hub import resolve_model_path
-    from kvledger.model.default import resolve_named_model
-
-    revision, download_dir = kwargs.pop("revision", None), kwargs.pop("download_dir", None)
-    tokenizer_revision = kwargs.pop("tokenizer_revision", None) or revision
-    model = resolve_model_path(resolve_named_model(model), revision, download_dir)
-    if kwargs.get("tokenizer"):
-        kwargs["tokenizer"] = resolve_model_path(kwargs["tokenizer"], tokenizer_revision, download_dir)
-    for name, (neutral, why) in _NO_EFFECT.items():
-        if name in kwargs and kwargs.pop(name) != neutral and name not in _warned:
-            _warned.add(name)
-            logger.warning("%s has no effect: %s", name, why)
-    if "gpu_memory_utilization" in kwargs and not str(kwargs.get("device", "cpu")).startswith("cuda"):
-        if "gpu_memory_utilization" not in _warned:
-            _warned.add("gpu_memory_utilization")
-            logger.warning(
-                "gpu_memory_utilization has no effect on the CPU; size the KV cache with "
-                "kv_cache_memory (bytes) or num_kv_blocks"
-            )
-    on_cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
-    if kwargs.get("enforce_eager") is False and not on_cuda and "enforce_eager" not in _warned:
-        _warned.add("enforce_eager")
-        logger.warning("enforce_eager has no effect on the CPU: CUDA graphs are captured on CUDA only")
-    if "max_num_batched_tokens" not in kwargs and "max_model_len" in kwargs:
-        kwargs["max_num_batched_tokens"] = max(2048, kwargs["max_model_len"])
-    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED}
-    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE}
-    eng = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE}
-    if kwargs:
-        raise ConfigError(f"unknown option(s): {', '.join(sorted(kwargs))}")
-    return EngineConfig(
-        model=str(model), scheduler=SchedulerConfig(**sched), cache=CacheConfig(**cache), **eng
-    )
+__all__ = ["LLM", "build_engine_config"]
 
 
 class LLM:
@@ -83,7 +31,7 @@ class LLM:
         if backend not in BACKENDS:
             raise ConfigError(f"structured_outputs_config backend {backend!r} is not one of {', '.join(BACKENDS)}")
         kwargs["structured_outputs_backend"] = backend  # vLLM's StructuredOutputsConfig.backend
-        self.llm_engine = LLMEngine.from_config(build_engine_config(model, **kwargs))
+        self.llm_engine = build_engine(build_engine_config(model, **kwargs))
 
     @property
     def engine(self) -> LLMEngine:
@@ -174,17 +122,10 @@ class LLM:
         if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m for m in conv):
             raise InvalidRequestError("each message must be a dict with a 'role' (and 'content')")
         try:
-            from kvledger.server.tools import template_messages
-
-            return self.get_tokenizer().apply_chat_template(
-                template_messages(conv),  # tool-call arguments as dicts, as templates expect
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tools=tools,
-                **kwargs,
-            )
+            return apply_chat_template(
+                self.get_tokenizer(), conv, template, add_generation_prompt,
+                continue_final_message, tools=tools, **kwargs,
+            )  # fmt: skip
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise InvalidRequestError(f"the chat template rejected the messages: {e}") from None
 

@@ -136,11 +136,11 @@ def test_simulate_html_unwritable_path_is_a_clear_error(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def tiny_engine(stories_path):
-    from kvledger.core.engine import LLMEngine
+    from kvledger.engine.builder import build_engine
     from kvledger.llm import build_engine_config
 
     config = build_engine_config(str(stories_path), num_kv_blocks=32, calibrate_preemption=False)
-    return LLMEngine.from_config(config)
+    return build_engine(config)
 
 
 def test_dashboard_route_follows_the_api_key_and_can_be_turned_off(tiny_engine):

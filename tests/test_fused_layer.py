@@ -1,4 +1,4 @@
-"""The native decoder layer (kvledger.kernels.fused_layer, csrc/decoder_layer.c) against the modules.
+"""The native decoder layer (kvledger.model.fused_layer, csrc/decoder_layer.c) against the modules.
 
 It calls the modules' kernels in their order, so logits and the K/V it writes must be the same
 bits as the module path's (KVLEDGER_FUSED_LAYER=0), over prefill, mixed and decode steps, and
@@ -15,8 +15,8 @@ import torch
 from transformers import LlamaConfig, Qwen2Config
 
 from kvledger import LLM, SamplingParams
-from kvledger.kernels import fused_layer, native
 from kvledger.kernels.gemm_rows import row_wise
+from kvledger.model import fused_layer, native
 from kvledger.model.loader import load_model
 from tests.model_factory import PagedDriver, build_hf_model, tiny_config
 from tests.test_engine_exact import hf_greedy

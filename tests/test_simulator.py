@@ -286,6 +286,36 @@ def test_fit_recovers_known_coefficients():
     assert info["median_abs_rel_error"] < 0.02
 
 
+def test_the_engine_shows_each_step_to_its_schedule_observers_before_it_runs():
+    """The supported hook the CPU calibration reads steps through (no patched scheduler):
+    each step's SchedulerOutput, while the requests' computed counts are the step's start."""
+    from kvledger.llm import LLM
+    from kvledger.model.default import embedded_model_path
+    from kvledger.sampling_params import SamplingParams
+
+    eng = LLM(str(embedded_model_path()), calibrate_preemption=False).engine
+    seen: list[list[tuple[str, int, int]]] = []
+    eng.schedule_observers.append(lambda so: seen.append(
+        [(s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens) for s in so.scheduled]
+    ))  # fmt: skip
+    rid = eng.add_request(list(range(3, 13)), SamplingParams(max_tokens=3, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert seen == [[(rid, 0, 10)], [(rid, 10, 1)], [(rid, 11, 1)]]
+    assert "schedule" not in vars(eng.scheduler)  # the scheduler's own method, unpatched
+
+
+def test_cpu_calibration_fits_the_real_engine_steps():
+    from kvledger.model.default import embedded_model_path
+    from kvledger.sim.cost_model import calibrate_cpu
+
+    cm = calibrate_cpu(str(embedded_model_path()), max_prompt=32)
+    # 12 timed shapes (the first only warms up), 24 output tokens each: every step was read.
+    assert cm.fit["num_steps"] >= 12 * 24
+    assert cm.a > 0 and cm.b > 0 and cm.swap_bandwidth > 0
+    assert cm.name == "cpu-measured" and "engine steps" in cm.source
+
+
 def test_cost_model_json_round_trip_and_errors(tmp_path):
     cm = gpu_cost_model("h100-80gb", PRESETS["seed-70b"], tp=2)
     cm.save(tmp_path / "cm.json")

@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 from test_server import STORIES, free_port
 
-from kvledger.core.engine import LLMEngine
+from kvledger.engine.builder import build_engine
 from kvledger.llm import build_engine_config
 from kvledger.server.app import ServerConfig, build_app
 
@@ -47,7 +47,7 @@ def per_request_state(app) -> dict[str, int]:
 def live_app(request):
     if not (STORIES / "config.json").exists():
         pytest.skip(f"stories260k not found at {STORIES}")
-    engine = LLMEngine.from_config(
+    engine = build_engine(
         build_engine_config(
             str(STORIES),
             num_kv_blocks=64,  # small: the load below preempts

@@ -16,9 +16,9 @@ import pytest
 
 from kvledger import LLM, SamplingParams
 from kvledger.cache.table_delta import TableDelta, TableDeltas
-from kvledger.core.calibration import Calibration, calibrate
 from kvledger.core.request import Request
 from kvledger.core.sched_output import NewRequestData, SchedulerOutput
+from kvledger.engine.calibration import Calibration, calibrate
 from kvledger.structured.bitmask import GrammarBitmask
 from kvledger.worker.worker import Worker
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-import kvledger.core.builder as engine_mod
+import kvledger.engine.builder as engine_mod
 from kvledger import LLM, SamplingParams
 from kvledger.errors import ConfigError, EngineFailedError
 from kvledger.ledger.accounting import kv_bytes_per_token

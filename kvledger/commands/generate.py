@@ -39,7 +39,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvledger import LLM, SamplingParams
+    from kvledger.llm import LLM
+    from kvledger.sampling_params import SamplingParams
 
     model = args.model_opt or args.model
     prompts = args.prompt or ["Once upon a time"]

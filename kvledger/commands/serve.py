@@ -302,25 +302,27 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--data-parallel-size > 1 needs engine core processes (drop --no-engine-process)")
 
     import prometheus_client
-    import torch
     import uvicorn
 
-    from kvledger.core.engine import LLMEngine
+    from kvledger.engine.arg_utils import build_engine_config
     from kvledger.engine.async_core_engine import AsyncCoreEngine
-    from kvledger.engine.engine_info import EngineInfo
-    from kvledger.llm import build_engine_config
     from kvledger.model.default import DEFAULT_MODEL_NAME
     from kvledger.server.app import ServerConfig, build_app
 
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    # The front end runs no model: its modules import neither torch nor the engine
+    # (tests/test_layers.py). But engine cores are forked from this process by default, and a
+    # core that must import torch and the engine itself starts later (~1-4 s CPU on a busy
+    # 2-core machine), while the front end loads torch anyway with the tokenizer (transformers
+    # 5 imports it): so the engine's modules are imported here first, and every fork shares them.
+    if args.engine_process and envs.KVLEDGER_ENGINE_START_METHOD == "fork":
+        import kvledger.engine.builder  # noqa: F401
     prometheus_client.disable_created_metrics()  # no *_created series, as in vLLM
     # A server runs for days: its GEMM shapes are created now, not over its first 10k requests.
     engine_config = build_engine_config(
         args.model, **serve_engine_kwargs(args), warm_up_gemm_shapes=True,
         populate_kv_cache=args.populate_kv_cache,
     )
-    engine: LLMEngine | AsyncCoreEngine
+    engine: Any  # LLMEngine (in this process) or AsyncCoreEngine (core processes)
     if args.data_parallel_size > 1:  # N cores, one front end (kvledger/engine/dp_engine.py)
         from kvledger.engine.dp_engine import DataParallelEngine
 
@@ -331,8 +333,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.engine_process:  # the engine core in its own process (vLLM v1's split)
         engine = AsyncCoreEngine.launch(engine_config, torch_threads=args.torch_threads)
         info = engine.info
-    else:
-        engine = LLMEngine.from_config(engine_config)
+    else:  # --no-engine-process: the engine in this process, stepped by a thread
+        import torch
+
+        from kvledger.engine.builder import build_engine
+        from kvledger.engine.engine_info import EngineInfo
+
+        if args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+        engine = build_engine(engine_config)
         info = EngineInfo.from_engine(engine)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     log.info("model %s served as %s", info.model, ", ".join(repr(n) for n in names))

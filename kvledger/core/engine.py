@@ -1,6 +1,6 @@
 """step(): schedule -> execute -> update -> outputs. The one loop every front end drives.
 
-The engine is assembled by ``kvledger.core.builder.build_engine`` and receives its parts
+The engine is assembled by ``kvledger.engine.builder.build_engine`` and receives its parts
 finished: the scheduler (with its block manager and cost model), the executor (the in-process
 worker, or tensor-parallel ranks), the tokenizer and the model's facts. It owns the user
 requests (groups of sequences), the grammar compiles, KV events and the output processing.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvledger.cache.kv_events import make_batch, make_publisher
@@ -22,7 +23,6 @@ from kvledger.core.sched_output import SchedulerOutput
 from kvledger.core.scheduler import Scheduler
 from kvledger.core.step_trace import StepTrace
 from kvledger.errors import EngineFailedError, InvalidRequestError
-from kvledger.executor.base import Executor
 from kvledger.ledger.live import SwapStats, live_ledger
 from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.outputs import RequestOutput
@@ -30,7 +30,8 @@ from kvledger.sampling_params import SamplingParams
 from kvledger.structured.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
-    from kvledger.core.builder import ModelFacts
+    from kvledger.engine.builder import ModelFacts
+    from kvledger.executor.base import Executor
     from kvledger.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger("kvledger")
@@ -74,18 +75,14 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.stream_outputs = False  # True: step() reports every updated request (servers)
         self.step_trace = StepTrace.from_env()  # KVLEDGER_STEP_TRACE: a line per step
+        # Called with each step's SchedulerOutput before the model runs (requests' computed
+        # counts are still the step's start): the simulator's calibration reads steps here.
+        self.schedule_observers: list[Callable[[SchedulerOutput], None]] = []
         # KV events: recorded by the pool where its prefix index changes, published per step.
         self.kv_event_publisher = make_publisher(config.kv_events_config, config.data_parallel_rank)
         if self.kv_event_publisher is not None:
             self.kv.pool.enable_events()
         self._publish_kv_events()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Build the engine and its parts (``kvledger.core.builder.build_engine``)."""
-        from kvledger.core.builder import build_engine
-
-        return build_engine(config)
 
     # -- facts the front ends read ------------------------------------------------------------
     @property
@@ -202,6 +199,8 @@ class LLMEngine:
         if self.structured.compiling:
             self._admit_compiled(touched)
         so = self.scheduler.schedule()
+        for observe in self.schedule_observers:
+            observe(so)
         so.grammar_bitmask = self.structured.grammar_bitmask(so, self.scheduler.requests)
         trace = self.step_trace is not None and so.req_ids
         if trace:

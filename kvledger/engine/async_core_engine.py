@@ -18,14 +18,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvledger.engine.async_engine import (
+from kvledger.engine.core_client import EngineCoreClient
+from kvledger.engine.engine_info import EngineInfo
+from kvledger.engine.front import (
     EngineObserver,
     RequestStream,
     StreamingFront,
     tokenize_prompt,
 )
-from kvledger.engine.core_client import EngineCoreClient
-from kvledger.engine.engine_info import EngineInfo
 from kvledger.errors import EngineDeadError, InvalidRequestError
 from kvledger.outputs import RequestOutput
 from kvledger.sampling_params import RequestOutputKind, SamplingParams

@@ -36,9 +36,9 @@ import zmq
 
 from kvledger import envs
 from kvledger.engine import core_protocol as wire
-from kvledger.engine.async_engine import resolve_threadsafe
 from kvledger.engine.core_proc import run_engine_core
 from kvledger.engine.engine_info import EngineInfo
+from kvledger.engine.front import resolve_threadsafe
 from kvledger.errors import EngineDeadError, KVLedgerError
 from kvledger.outputs import RequestOutput
 
@@ -46,8 +46,9 @@ logger = logging.getLogger("kvledger")
 
 
 def _start_method() -> str:
-    """fork (fast: the front end's imports are inherited) unless asked otherwise; the front end
-    never touches CUDA, so forking is safe as vLLM does it."""
+    """fork unless asked otherwise: the core starts from the front end's few (torch-free)
+    modules and imports torch and the engine itself (tests/test_layers.py); the front end never
+    touches CUDA, so forking is safe as vLLM does it."""
     return envs.KVLEDGER_ENGINE_START_METHOD
 
 

@@ -56,11 +56,11 @@ def run_engine_core(
             import torch
 
             torch.set_num_threads(torch_threads)
-        from kvledger.core.engine import LLMEngine
+        from kvledger.engine.builder import build_engine
         from kvledger.engine.engine_info import EngineInfo
 
         try:
-            engine = LLMEngine.from_config(config)
+            engine = build_engine(config)
         except BaseException as e:  # a config error: the front end reports it, one line
             out.send_multipart([wire.DEAD, wire.dump(e)])
             code = 1
@@ -144,7 +144,7 @@ class EngineCore:
         self.out.send_multipart([wire.OUTPUTS, wire.encode_outputs(outs)], copy=False)
 
     def _handle(self, frames: list, outs: list) -> None:
-        from kvledger.engine.async_engine import add_served_request
+        from kvledger.engine.front import add_served_request
 
         kind, body = frames[0].bytes, frames[1].buffer if len(frames) > 1 else b""
         eng = self.engine

@@ -85,9 +85,10 @@ def _ledger(eng: LLMEngine) -> dict[str, Any]:
 
 
 def _metrics_state(eng: LLMEngine) -> Any:
-    from kvledger.server.metrics import EngineState
+    """``/metrics``' engine statistics (plain data; the server formats them)."""
+    from kvledger.engine.stats import capture_stats
 
-    return EngineState.capture(eng)
+    return capture_stats(eng)
 
 
 def _dashboard_frame(eng: LLMEngine, reference_bpt: int) -> Any:

@@ -1,5 +1,11 @@
-"""A model folder's own tokenizer (never downloaded); torch-free, so a front end that runs no
-model can tokenize."""
+"""Loading a model folder's tokenizer (never downloaded), for every process that tokenizes: the
+engine (its detokenizer, stop strings, chat), a server's front end and the router.
+
+It imports no kvledger model code, so a front end that runs no model loads only the tokenizer.
+Transformers itself (5.x) imports torch when its tokenizer classes load (``configuration_utils``
+-> ``modeling_rope_utils``), so a process that loads a tokenizer has torch in it even so; only
+the import of these modules is free of it.
+"""
 
 from __future__ import annotations
 

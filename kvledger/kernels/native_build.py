@@ -198,7 +198,7 @@ def library() -> ctypes.CDLL | None:
     lib.kvl_write_kv.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, c_int]
     for fn in (lib.kvl_add_rms_norm, lib.kvl_add_rms_norm_bf16):
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, c_float, c_int]
-    lib.kvl_decoder_layer.argtypes = [ptr, ptr, ptr]  # structs of kvledger.kernels.fused_layer
+    lib.kvl_decoder_layer.argtypes = [ptr, ptr, ptr]  # structs of kvledger.model.fused_layer
     lib.kvl_quantize_write.argtypes = [ptr, ptr, i64, c_int, ptr, i64, i64, i64, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
     lib.kvl_masked_argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, c_int]
     lib.kvl_masked_argmax.restype = c_int

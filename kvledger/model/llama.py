@@ -16,11 +16,11 @@ from torch import nn
 
 from kvledger.hf.config import ModelConfig
 from kvledger.kernels import native
-from kvledger.kernels.fused_layer import FusedLayers
 from kvledger.kernels.gemm_rows import RowInvariance
 from kvledger.model.attention.backend import AttentionBackend
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
+from kvledger.model.fused_layer import FusedLayers
 from kvledger.model.layers import (
     Embedding,
     GatedMLP,

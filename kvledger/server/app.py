@@ -14,19 +14,21 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-import kvledger
-from kvledger.core.engine import LLMEngine
 from kvledger.engine.async_core_engine import AsyncCoreEngine
-from kvledger.engine.async_engine import AsyncEngine
 from kvledger.server.errors import APIError, error_response, install_error_handlers
 from kvledger.server.guard import Guard
 from kvledger.server.metrics import ServerMetrics
 from kvledger.server.serving import ServingContext
+from kvledger.version import __version__
+
+if TYPE_CHECKING:
+    from kvledger.core.engine import LLMEngine
+    from kvledger.engine.async_engine import AsyncEngine
 
 __all__ = ["APIError", "DEFAULT_MAX_BODY_BYTES", "ServerConfig", "build_app", "error_response"]
 
@@ -70,7 +72,9 @@ def build_app(engine: LLMEngine | AsyncCoreEngine, config: ServerConfig) -> Fast
     if isinstance(engine, AsyncCoreEngine):
         aengine = engine
         aengine.observer = metrics
-    else:
+    else:  # the engine runs in this process: only then is the in-process front loaded
+        from kvledger.engine.async_engine import AsyncEngine
+
         aengine = AsyncEngine(engine, observer=metrics)
 
     @asynccontextmanager
@@ -83,7 +87,7 @@ def build_app(engine: LLMEngine | AsyncCoreEngine, config: ServerConfig) -> Fast
             logger.info("engine stopped; every request aborted")
 
     app = FastAPI(
-        title="kvledger", version=kvledger.__version__, lifespan=lifespan, root_path=config.root_path
+        title="kvledger", version=__version__, lifespan=lifespan, root_path=config.root_path
     )
     app.state.engine = aengine
     app.state.metrics = metrics

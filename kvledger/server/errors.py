@@ -10,8 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvledger.engine.async_engine import EngineDeadError
-from kvledger.errors import KVLedgerError
+from kvledger.errors import EngineDeadError, KVLedgerError
 from kvledger.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("kvledger.server")

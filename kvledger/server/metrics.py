@@ -4,20 +4,19 @@ own names, types, buckets and labels (``vllm:...``, labels ``model_name`` and ``
 
 Gauges and engine counters (KV usage, queues, prefix cache, preemptions, swap traffic,
 generated tokens) are read from the live ledger at scrape time, so /metrics can never drift
-from /v1/ledger. Request-level counters and latency histograms are recorded as outputs pass
+from /v1/ledger: the engine side captures them as plain data (``kvledger.engine.stats``, the
+named query "metrics_state"), this module only formats them. Request-level counters and latency histograms are recorded as outputs pass
 through the engine thread (AsyncEngine's observer hooks).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvledger.core.engine import LLMEngine
+from kvledger.engine.stats import EngineStats, sum_stats
 from kvledger.outputs import RequestOutput
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -35,84 +34,23 @@ VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 ENGINE_INDEX = "0"  # vLLM's ``engine`` label: kvledger runs one engine per server
 
 
-@dataclass
-class EngineState:
-    """What a scrape reads from the engine, captured in one go in the engine thread."""
-
-    usage: float = 0.0
-    used_blocks: int = 0
-    free_blocks: int = 0
-    cached_blocks: int = 0
-    running: int = 0
-    waiting: int = 0
-    swapped: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    preemptions: dict[str, int] = field(default_factory=dict)
-    swap_out_bytes: int = 0
-    swap_in_bytes: int = 0
-    generation_tokens: int = 0
-    # Per tensor-parallel rank (one entry on one device): the real pool, and what it holds now.
-    rank_pool_bytes: list[int] = field(default_factory=list)
-    rank_used_bytes: list[int] = field(default_factory=list)
-
-    @classmethod
-    def capture(cls, engine: LLMEngine) -> EngineState:
-        snap = engine.ledger()
-        s = engine.scheduler
-        return cls(
-            usage=snap.usage,
-            used_blocks=snap.used_blocks,
-            free_blocks=snap.free_blocks,
-            cached_blocks=snap.cached_blocks,
-            running=len(s.running),
-            waiting=len(s.waiting),
-            swapped=len(s.swapped),
-            prefix_cache_queries=snap.prefix_cache_queries,
-            prefix_cache_hits=snap.prefix_cache_hits,
-            preemptions=dict(snap.preemptions),
-            swap_out_bytes=snap.swap_out_bytes,
-            swap_in_bytes=snap.swap_in_bytes,
-            generation_tokens=engine.num_generated_tokens,
-            rank_pool_bytes=[r["device_pool_bytes"] for r in snap.ranks] or [snap.device_pool_bytes],
-            rank_used_bytes=[r["used_bytes"] for r in snap.ranks] or [snap.used_bytes],
-        )
-
-
-def sum_states(states: list[EngineState]) -> EngineState:
-    """Data-parallel replicas as one engine: counts summed, usage recomputed."""
-    total = EngineState()
-    for s in states:
-        for f in dataclasses.fields(EngineState):
-            v = getattr(s, f.name)
-            if isinstance(v, dict):
-                acc = getattr(total, f.name)
-                for k, x in v.items():
-                    acc[k] = acc.get(k, 0) + x
-            elif f.name != "usage":
-                setattr(total, f.name, getattr(total, f.name) + v)
-    blocks = total.used_blocks + total.free_blocks
-    total.usage = total.used_blocks / blocks if blocks else 0.0
-    return total
-
-
 class _EngineCollector:
     """``state``: one engine's, or a list (data-parallel replicas: kvledger:* series give the
     total, vllm:* series one sample per replica under its ``engine`` label, as vLLM's)."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.state: EngineState | list[EngineState] = EngineState()
+        self.state: EngineStats | list[EngineStats] = EngineStats()
 
     def describe(self):
-        return list(self._families(EngineState(), with_samples=False))
+        return list(self._families(EngineStats(), with_samples=False))
 
     def collect(self):
         s = self.state
         states = s if isinstance(s, list) else [s]
-        return list(self._families(sum_states(states) if isinstance(s, list) else s, True, states))
+        return list(self._families(sum_stats(states) if isinstance(s, list) else s, True, states))
 
-    def _families(self, s: EngineState, with_samples: bool, per_engine: list[EngineState] | None = None):
+    def _families(self, s: EngineStats, with_samples: bool, per_engine: list[EngineStats] | None = None):
         m = self.model_name
         gauges = [
             (
@@ -193,7 +131,7 @@ class _EngineCollector:
         yield c
 
 
-    def _vllm_families(self, s: EngineState, with_samples: bool, per_engine: list[EngineState] | None = None):
+    def _vllm_families(self, s: EngineStats, with_samples: bool, per_engine: list[EngineStats] | None = None):
         """The scheduler and cache series under vLLM's names (gauges and counters), one
         sample per engine (data-parallel replica) under the ``engine`` label."""
         labels = ["model_name", "engine"]
@@ -330,7 +268,7 @@ class ServerMetrics:
                         self.v_e2e.observe(end - met.arrival_time)
 
     # -- scrape ----------------------------------------------------------------------------
-    def render(self, state: EngineState | list[EngineState]) -> bytes:
+    def render(self, state: EngineStats | list[EngineStats]) -> bytes:
         with self._render_lock:
             self._engine.state = state
             return generate_latest(self.registry)

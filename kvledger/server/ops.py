@@ -8,7 +8,6 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-import kvledger
 from kvledger.errors import InvalidRequestError
 from kvledger.server.errors import error_response
 from kvledger.server.metrics import ServerMetrics
@@ -21,6 +20,7 @@ from kvledger.server.protocol import (
     TokenizeResponse,
 )
 from kvledger.server.serving import ServingContext
+from kvledger.version import __version__
 
 
 def mount_ops(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None:
@@ -40,7 +40,7 @@ def mount_ops(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        return JSONResponse({"version": kvledger.__version__})
+        return JSONResponse({"version": __version__})
 
     @app.get("/v1/models")
     async def models() -> ModelList:

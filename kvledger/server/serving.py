@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvledger.engine.async_engine import RequestStream
+from kvledger.chat_utils import apply_chat_template
+from kvledger.engine.front import RequestStream
 from kvledger.errors import KVLedgerError
 from kvledger.logprobs import Logprob
 from kvledger.outputs import RequestOutput, merge_deltas
@@ -22,7 +23,6 @@ from kvledger.server.protocol import (
     TopLogprob,
 )
 from kvledger.server.streaming import merged
-from kvledger.server.tools import template_messages
 
 logger = logging.getLogger("kvledger.server")
 
@@ -154,14 +154,10 @@ class ServingContext:
         try:
             if tools:
                 extra["tools"] = tools
-            text = self.tokenizer.apply_chat_template(
-                template_messages(conversation),  # tool-call arguments as dicts
-                chat_template=self.chat_template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **extra,
-            )
+            text = apply_chat_template(
+                self.tokenizer, conversation, self.chat_template, add_generation_prompt,
+                continue_final_message, **extra,
+            )  # fmt: skip
         except KVLedgerError:
             raise
         except Exception as e:  # the template runs on the client's messages: their error

@@ -14,8 +14,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvledger.engine.async_engine import EngineDeadError, RequestStream
-from kvledger.errors import KVLedgerError
+from kvledger.engine.front import RequestStream
+from kvledger.errors import EngineDeadError, KVLedgerError
 from kvledger.outputs import CompletionOutput, RequestOutput
 from kvledger.server.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo
 

@@ -247,30 +247,6 @@ def _pythonic(text: str) -> tuple[str, list[ToolCall]]:
 _PARSERS = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "pythonic": _pythonic}
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """History for a chat template: assistant tool_calls' JSON arguments become dicts (what
-    HF templates iterate over), as vLLM does."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if calls:
-            m = dict(m)
-            fixed = []
-            for c in calls:
-                c = dict(c)
-                fn = dict(c.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
-                        pass
-                c["function"] = fn
-                fixed.append(c)
-            m["tool_calls"] = fixed
-        out.append(m)
-    return out
-
-
 def chat_constraint(
     body: Any, params: Any, defaults: dict[str, Any], auto_enabled: bool
 ) -> ToolChoice:

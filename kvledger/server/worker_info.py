@@ -8,8 +8,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-import kvledger
 from kvledger.server.serving import ServingContext
+from kvledger.version import __version__
 
 
 def mount_worker_info(app: FastAPI, ctx: ServingContext) -> None:
@@ -24,7 +24,7 @@ def mount_worker_info(app: FastAPI, ctx: ServingContext) -> None:
                 "served_model_name": ctx.model_name,
                 "tokenizer_path": tokenizer_path,
                 "dp_size": 1,
-                "version": kvledger.__version__,
+                "version": __version__,
                 "max_total_tokens": info.num_blocks * info.block_size,
                 "max_running_requests": info.max_num_seqs,
                 "max_prefill_tokens": info.max_num_batched_tokens,

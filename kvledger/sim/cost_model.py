@@ -272,14 +272,11 @@ def calibrate_cpu(model: str, max_prompt: int | None = None, seed: int = 0) -> S
     rows: list[tuple[int, int, float, float]] = []
     probe = StepCostModel(0, 0, 0)
     pending: list[tuple[int, int, float]] = []
-    orig = eng.scheduler.schedule
 
-    def schedule() -> SchedulerOutput:
-        so = orig()
+    def observe(so: SchedulerOutput) -> None:  # each step's batch, before it runs
         pending.append(probe.step_features(so))
-        return so
 
-    eng.scheduler.schedule = schedule
+    eng.schedule_observers.append(observe)
     prompts = sorted({max(8, max_prompt // 8), max(8, max_prompt // 2), max_prompt})
     grid = [(1, max_prompt)] + [(b, p) for b in (1, 4, 16, 32) for p in prompts]
     try:
@@ -295,7 +292,7 @@ def calibrate_cpu(model: str, max_prompt: int | None = None, seed: int = 0) -> S
                 if i > 0 and feats[0] > 0:  # the first shape only warms up
                     rows.append((*feats, dt))
     finally:
-        eng.scheduler.schedule = orig
+        eng.schedule_observers.remove(observe)
     cm, info = fit_step_times(rows)
     cm.swap_bandwidth = measure_copy_bandwidth()
     cm.source = (

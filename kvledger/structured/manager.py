@@ -4,15 +4,17 @@ A constrained request is held back from the scheduler until its grammar is compi
 compile runs in a background thread), then its matcher is made and it enters the scheduler's
 waiting queue like any other request; its n > 1 children fork the parent's fresh matcher.
 The scheduler, the block manager and the simulator never see a grammar.
+
+It knows a request only through ``ConstrainedRequest`` (what it reads and sets), not the
+engine's ``Request`` class: structured outputs sit below the engine core, which uses them.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import FIRST_COMPLETED, wait
-from typing import Any
+from typing import Any, Protocol
 
-from kvledger.core.request import Request
 from kvledger.errors import InvalidRequestError
 from kvledger.structured.backends import resolve_backend
 from kvledger.structured.bitmask import GrammarBitmask
@@ -20,6 +22,18 @@ from kvledger.structured.compiler import GrammarCompiler
 from kvledger.structured.state import GrammarState, MaskBuffer
 
 logger = logging.getLogger("kvledger")
+
+
+class ConstrainedRequest(Protocol):
+    """What the manager reads and sets of a request (kvledger.core.request.Request is one)."""
+
+    sampling_params: Any  # its ``structured_outputs`` is the constraint
+    grammar: Any  # set here: a GrammarState
+    children: list[Any]  # n > 1: the requests that fork the parent's matcher
+    # For the step's bitmask: the request's tokens, its id, its outputs so far.
+    request_id: str
+    all_token_ids: list[int]
+    num_output_tokens: int
 
 
 class StructuredOutputManager:
@@ -30,7 +44,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._compiler: GrammarCompiler | None = None
-        self.compiling: list[Request] = []  # parents waiting for their grammar, oldest first
+        self.compiling: list[ConstrainedRequest] = []  # waiting for their grammar, oldest first
         self.backend = backend  # for params not resolved by the server (vLLM's default: auto)
         self.masks = MaskBuffer()  # the step's packed grammar mask, its buffer kept across steps
         self._constrained = False  # a constrained request was ever submitted
@@ -47,7 +61,7 @@ class StructuredOutputManager:
         """Choose the params' backend now (InvalidRequestError if none can run them)."""
         resolve_backend(params, self.backend)
 
-    def submit(self, parent: Request) -> bool:
+    def submit(self, parent: ConstrainedRequest) -> bool:
         """Start compiling ``parent``'s grammar; True when it is ready now (a cache hit)."""
         self._constrained = True
         fut = self.compiler.submit(parent.sampling_params.structured_outputs)
@@ -58,7 +72,7 @@ class StructuredOutputManager:
         self.compiling.append(parent)
         return False
 
-    def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+    def take_ready(self) -> tuple[list[ConstrainedRequest], list[tuple[ConstrainedRequest, str]]]:
         """Parents whose grammar is compiled (matchers made), and those whose compile failed."""
         if not self.compiling:
             return [], []
@@ -79,17 +93,17 @@ class StructuredOutputManager:
         if self.compiling:
             wait([r.grammar.future for r in self.compiling], timeout, FIRST_COMPLETED)
 
-    def discard(self, req: Request) -> None:
+    def discard(self, req: ConstrainedRequest) -> None:
         if req in self.compiling:
             self.compiling.remove(req)
 
-    def grammar_bitmask(self, so: Any, requests: dict[str, Request]) -> GrammarBitmask | None:
+    def grammar_bitmask(self, so: Any, requests: dict[str, Any]) -> GrammarBitmask | None:
         """The step's packed mask: a row for each constrained request due a token, in the
         runner's sampling order (a due request, then at an n > 1 request's first sample its
         children, which sample from the same row); None when no such request runs."""
         if not self._constrained:
             return None
-        owners: list[Request] = []
+        owners: list[Any] = []
         for rid, n, computed in so.batch():
             req = requests[rid]
             if computed + n != len(req.all_token_ids):
@@ -104,7 +118,7 @@ class StructuredOutputManager:
         return GrammarBitmask(mask, {owners[i].request_id: i for i in rows})
 
     @staticmethod
-    def _start(parent: Request) -> None:
+    def _start(parent: ConstrainedRequest) -> None:
         parent.grammar.start()
         for child in parent.children:
             child.grammar = parent.grammar.fork()

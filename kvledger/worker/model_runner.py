@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from kvledger.storage.kv_cache import HostKVPool, KVCachePool
 from kvledger.structured.bitmask import GrammarBitmask
 from kvledger.worker.block_table import BlockTable
 from kvledger.worker.request_state import CachedRequestState, RequestStates
+
+if TYPE_CHECKING:  # hints only: the worker sits below the engine core (tests/test_layers.py)
+    from kvledger.core.scheduler import SchedulerOutput
 
 
 @dataclass

@@ -258,7 +258,7 @@ class TorchAttentionBackend:
     ) -> tuple[_NativeDecode | None, _NativePrefill | None] | None:
         """The step's native decode and prefill calls when its attention is nothing else (no
         SDPA chunk or group, no full-precision overlay), else None: what the native decoder
-        layer (kvledger.kernels.fused_layer) can run in their place."""
+        layer (kvledger.model.fused_layer) can run in their place."""
         plan = self._get_plan(meta, dtype, kv_width, layer_cache, num_heads)
         nd = plan.native_decode
         if plan.chunks or plan.decode or plan.overlay_dst is not None or (nd is not None and nd.fp_spans is not None):

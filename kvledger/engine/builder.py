@@ -22,10 +22,10 @@ import torch
 from kvledger.cache.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from kvledger.cache.kv_cache_manager import cdiv
 from kvledger.config import EngineConfig
-from kvledger.core.calibration import Calibration, calibrate
 from kvledger.core.engine import LLMEngine
 from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.scheduler import Scheduler, build_kv_manager
+from kvledger.engine.calibration import Calibration, calibrate
 from kvledger.errors import ConfigError
 from kvledger.executor.base import Executor
 from kvledger.hf.config import generation_defaults

@@ -1,0 +1,68 @@
+"""Flat keyword options (vLLM style: ``LLM(model, max_num_seqs=..., kv_cache_dtype=...)``,
+``kvledger serve``'s flags) into the engine's config dataclasses, as vLLM's
+``engine/arg_utils.py``. Used by the offline ``LLM`` and by ``kvledger serve``, whose front end
+builds the config and hands it to its engine core processes: nothing here imports the engine
+or torch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvledger.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvledger.errors import ConfigError
+
+logger = logging.getLogger("kvledger")
+
+_SCHED = {f for f in SchedulerConfig.__dataclass_fields__}
+_CACHE = {f for f in CacheConfig.__dataclass_fields__}
+_ENGINE = {f for f in EngineConfig.__dataclass_fields__} - {"scheduler", "cache", "model"}
+
+# vLLM keywords that change nothing here, with why (warned about once per process when set to
+# a value that would matter in vLLM).
+_NO_EFFECT: dict[str, tuple[object, str]] = {
+    "trust_remote_code": (False, "kvledger never runs code from a model folder"),
+    "disable_log_stats": (True, "kvledger logs no periodic stats"),
+    "max_seq_len_to_capture": (None, "kvledger's decode graphs cover every context length"),
+    "disable_custom_all_reduce": (True, "kvledger's all-reduce is torch.distributed's"),
+    "compilation_config": (None, "kvledger compiles nothing"),
+    "tokenizer_mode": ("auto", "kvledger always uses the folder's (fast) tokenizer"),
+}
+_warned: set[str] = set()
+
+
+def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
+    """Split flat keyword options (vLLM style) into the three config dataclasses."""
+    from kvledger.hf.hub import resolve_model_path
+    from kvledger.model.default import resolve_named_model
+
+    revision, download_dir = kwargs.pop("revision", None), kwargs.pop("download_dir", None)
+    tokenizer_revision = kwargs.pop("tokenizer_revision", None) or revision
+    model = resolve_model_path(resolve_named_model(model), revision, download_dir)
+    if kwargs.get("tokenizer"):
+        kwargs["tokenizer"] = resolve_model_path(kwargs["tokenizer"], tokenizer_revision, download_dir)
+    for name, (neutral, why) in _NO_EFFECT.items():
+        if name in kwargs and kwargs.pop(name) != neutral and name not in _warned:
+            _warned.add(name)
+            logger.warning("%s has no effect: %s", name, why)
+    if "gpu_memory_utilization" in kwargs and not str(kwargs.get("device", "cpu")).startswith("cuda"):
+        if "gpu_memory_utilization" not in _warned:
+            _warned.add("gpu_memory_utilization")
+            logger.warning(
+                "gpu_memory_utilization has no effect on the CPU; size the KV cache with "
+                "kv_cache_memory (bytes) or num_kv_blocks"
+            )
+    on_cuda = str(kwargs.get("device", "cpu")).startswith("cuda")
+    if kwargs.get("enforce_eager") is False and not on_cuda and "enforce_eager" not in _warned:
+        _warned.add("enforce_eager")
+        logger.warning("enforce_eager has no effect on the CPU: CUDA graphs are captured on CUDA only")
+    if "max_num_batched_tokens" not in kwargs and "max_model_len" in kwargs:
+        kwargs["max_num_batched_tokens"] = max(2048, kwargs["max_model_len"])
+    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED}
+    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE}
+    eng = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE}
+    if kwargs:
+        raise ConfigError(f"unknown option(s): {', '.join(sorted(kwargs))}")
+    return EngineConfig(
+        model=str(model), scheduler=SchedulerConfig(**sched), cache=CacheConfig(**cache), **eng
+    )
