@@ -15,8 +15,9 @@ import torch
 from transformers import LlamaConfig, Qwen2Config
 
 from kvledger import LLM, SamplingParams
+from kvledger.kernels import native
 from kvledger.kernels.gemm_rows import row_wise
-from kvledger.model import fused_layer, native
+from kvledger.model import fused_layer
 from kvledger.model.loader import load_model
 from tests.model_factory import PagedDriver, build_hf_model, tiny_config
 from tests.test_engine_exact import hf_greedy

@@ -296,7 +296,7 @@ def test_the_engine_shows_each_step_to_its_schedule_observers_before_it_runs():
     eng = LLM(str(embedded_model_path()), calibrate_preemption=False).engine
     seen: list[list[tuple[str, int, int]]] = []
     eng.schedule_observers.append(lambda so: seen.append(
-        [(s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens) for s in so.scheduled]
+        [(rid, eng.scheduler.requests[rid].num_computed_tokens, n) for rid, n, _ in so.batch()]
     ))  # fmt: skip
     rid = eng.add_request(list(range(3, 13)), SamplingParams(max_tokens=3, ignore_eos=True))
     while eng.has_unfinished_requests():
