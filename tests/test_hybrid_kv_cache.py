@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvledger.cache.hybrid_kv_cache_manager import HybridKVCacheManager
-from kvledger.cache.kv_cache_groups import kv_cache_layout
 from kvledger.cache.kv_cache_manager import RELEASED, cdiv, first_live_block
+from kvledger.ledger.kv_cache_groups import kv_cache_layout
 
 BS, W = 4, 10
 

@@ -1,6 +1,6 @@
 """Per-group block tables over one shared BlockPool, for hybrid (full + sliding-window) models.
 
-Each KV cache group (``kvledger.cache.kv_cache_groups``) is a plain ``KVCacheManager`` with its
+Each KV cache group (``kvledger.ledger.kv_cache_groups``) is a plain ``KVCacheManager`` with its
 own window, drawing from the pool the groups share; this class answers the scheduler's
 questions for all groups at once (a request fits when the sum of the groups' needs fits) and
 applies each operation to every group, all or nothing. A sliding group releases the blocks

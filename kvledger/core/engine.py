@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvledger.cache.kv_cache_groups import kv_cache_layout
 from kvledger.cache.kv_cache_manager import cdiv
 from kvledger.cache.kv_events import make_batch, make_publisher
 from kvledger.config import EngineConfig
@@ -28,6 +27,7 @@ from kvledger.ledger.accounting import (
     kv_bytes_per_token,
     per_request_overhead_bytes,
 )
+from kvledger.ledger.kv_cache_groups import kv_cache_layout
 from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.logprobs import Logprob
 from kvledger.model.layers import warm_up_gemm_shapes

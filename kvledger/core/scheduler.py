@@ -63,7 +63,7 @@ class Scheduler:
     ) -> Scheduler:
         """The block manager and scheduler for a pool of ``num_blocks`` (engine and simulator).
         ``sliding_window``: every layer attends to a window (see KVCacheManager).
-        ``group_windows``: a hybrid model's KV cache groups (kvledger.cache.kv_cache_groups), each
+        ``group_windows``: a hybrid model's KV cache groups (kvledger.ledger.kv_cache_groups), each
         group's window; ``bytes_per_token`` is then one pool slot (a group's layers).
 
         The host swap pool holds ``swap_space`` GiB, at most as many blocks as the device pool,

@@ -29,7 +29,7 @@ class WorkerSpec:
     num_threads: int
     dist_backend: str  # "gloo" on CPU, "nccl" on CUDA
     collective_timeout_s: float
-    # Hybrid models (KV cache groups, kvledger.cache.kv_cache_groups): each model layer's group
+    # Hybrid models (KV cache groups, kvledger.ledger.kv_cache_groups): each model layer's group
     # and pool tensor; the pool then has max(layer_slot) + 1 tensors. None: one tensor per layer.
     layer_group: tuple[int, ...] | None = None
     layer_slot: tuple[int, ...] | None = None

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvledger.cache.kv_cache_groups import kv_cache_layout
 from kvledger.cache.kv_cache_manager import cdiv
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.errors import ConfigError
@@ -22,6 +21,7 @@ from kvledger.ledger.accounting import (
     load_model_spec,
     plan_capacity,
 )
+from kvledger.ledger.kv_cache_groups import kv_cache_layout
 from kvledger.sim.cost_model import GPU_PRESETS, StepCostModel, calibrate_cpu, gpu_cost_model
 from kvledger.sim.simulator import SimResult, Simulator
 from kvledger.sim.trace import TraceRequest

@@ -62,7 +62,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         # The runner's own block tables, one per KV cache group (hybrid models,
-        # kvledger.cache.kv_cache_groups), updated from each step's table deltas only; and
+        # kvledger.ledger.kv_cache_groups), updated from each step's table deltas only; and
         # which group each model layer reads (None: one group).
         self.block_tables: list[BlockTable] = [BlockTable()]
         self.layer_group: tuple[int, ...] | None = None
