@@ -305,6 +305,7 @@ def _reference_bytes_per_token(setup) -> int:
     from kvledger.ledger.kv_cache_groups import kv_cache_layout
 
     total = kv_bytes_per_token(setup.spec, "auto", setup.tp).total
-    if setup.group_windows is None:
+    layout = kv_cache_layout(setup.spec.layer_windows)
+    if not layout.is_hybrid:
         return total
-    return total // setup.spec.num_layers * kv_cache_layout(setup.spec.layer_windows).group_size
+    return total // setup.spec.num_layers * layout.group_size

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvledger.cache.kv_cache_manager import cdiv
+from kvledger.cache.attention_policy import cdiv
 from kvledger.cache.kv_events import make_batch, make_publisher
 from kvledger.config import EngineConfig
 from kvledger.core.detokenizer import IncrementalDetokenizer
@@ -210,8 +210,7 @@ class LLMEngine:
             num_blocks,
             self.bytes_per_token,
             self.cost_model,
-            self.spec.uniform_window,
-            self.kv_layout.windows if self.kv_layout.is_hybrid else None,
+            self.kv_layout.windows,
         )
         self.kv = self.scheduler.kv
         self.executor = None
