@@ -39,7 +39,7 @@ class SchedulerConfig:
     max_preemptions_before_protect: int = 3  # after this many, a request is evicted last
     watermark_blocks: int = 0  # blocks kept free at admission so decodes rarely preempt
     # vLLM's flag: hybrid (full + sliding) models keep one block table for all layers, so the
-    # sliding layers' blocks outside the window are not freed (kvledger.cache.kv_cache_groups).
+    # sliding layers' blocks outside the window are not freed (kvledger.ledger.kv_cache_groups).
     disable_hybrid_kv_cache_manager: bool = False
     # While any request decodes, a step computes at most this many prefill tokens (new
     # prompts and chunks together), so a burst of arrivals cannot stall every stream's next

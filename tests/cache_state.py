@@ -29,6 +29,6 @@ def kv_state(kv: KVCacheManager) -> tuple:
         copy.deepcopy(kv.requests),
         pool_state(kv.pool),
         pool_state(kv.host_pool),
-        list(kv._pending_copies),
+        [(list(g.copies), dict(g.dirty)) for g in kv.groups],  # COW pairs, table deltas queued
         (kv.prefix_cache_queries, kv.prefix_cache_hits, kv.num_cow_copies),
     )

@@ -1,5 +1,5 @@
 """KV cache groups for hybrid models (issue 20): the layout of layers into groups and pool
-tensors, and the HybridKVCacheManager's per-group block tables over one shared pool: sliding
+tensors, and the KVCacheManager's per-group block tables over one shared pool: sliding
 groups release blocks outside the window, prefix hits need the whole prefix in the full
 group and only the window in sliding ones, swap and fork move live blocks only."""
 
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvledger.cache.hybrid_kv_cache_manager import HybridKVCacheManager
-from kvledger.cache.kv_cache_groups import kv_cache_layout
-from kvledger.cache.kv_cache_manager import RELEASED, cdiv, first_live_block
+from kvledger.cache.attention_policy import RELEASED, cdiv, first_live_block
+from kvledger.cache.kv_cache_manager import KVCacheManager
+from kvledger.ledger.kv_cache_groups import kv_cache_layout
 
 BS, W = 4, 10
 
@@ -39,10 +39,10 @@ def test_layout_uneven_counts_pad_the_last_group():
     assert [len(g.layers) for g in lay.groups] == [2, 2, 2, 1]
 
 
-def _manager(num_blocks: int = 96, host: int = 0, caching: bool = True) -> HybridKVCacheManager:
-    return HybridKVCacheManager(
-        num_blocks, BS, [None, W, W], bytes_per_token=10, enable_prefix_caching=caching,
-        num_host_blocks=host,
+def _manager(num_blocks: int = 96, host: int = 0, caching: bool = True) -> KVCacheManager:
+    return KVCacheManager(
+        num_blocks, BS, bytes_per_token=10, enable_prefix_caching=caching,
+        num_host_blocks=host, windows=[None, W, W],
     )
 
 
@@ -99,7 +99,7 @@ def test_prefix_hit_full_group_needs_whole_prefix_sliding_group_only_window():
         assert h[:first] == [RELEASED] * first and h[7] >= 0 and table[7] == RELEASED
         assert h[8:] == table[8:10]
     # A sliding group's evicted block before the window does not matter ...
-    (early,), _ = kv.groups[1].get_computed_blocks(prompt[:5])  # its cached block 0
+    (early,) = kv.groups[1].longest_hit(prompt[:5], None, 1)  # its cached block 0
     kv.pool._evict(kv.pool.blocks[early])
     assert kv.get_computed_blocks(prompt)[1] == 40
     # ... one inside it shortens the hit for every group; a full group's early block empties it.
@@ -222,3 +222,101 @@ def test_one_groups_new_blocks_never_evict_anothers_hit():
     assert not (tables[0] & tables[1]) and not (tables[0] & tables[2]) and not (tables[1] & tables[2])
     assert [t[:2] for t in kv.block_tables("b")] == hits
     kv.free("b")
+
+
+def _scripted(kv: KVCacheManager) -> list:
+    """Admission with a prefix hit, a fork, batched decode with copy-on-write, swap out and in,
+    a free: every table, delta and copy after each step, and the ledger at the end."""
+    log: list = []
+    tokens: dict[str, list[int]] = {}
+
+    def step(rids: list[str]) -> None:
+        reqs = [
+            SimpleNamespace(request_id=r, all_token_ids=t, num_computed_tokens=len(t))
+            for r, t in ((r, tokens[r]) for r in rids)
+        ]
+        kv.cache_computed_blocks(reqs)
+        d = kv.take_table_deltas()
+        tables = {r: kv.block_tables(r) for r in sorted(tokens)}
+        deltas = [(x.request_id, x.start, x.block_ids, x.group) for x in d.changed]
+        log.append((tables, kv.take_block_copies(), d.removed, deltas))
+
+    prompt = list(range(1, 15))
+    tokens["a"] = list(prompt)
+    assert kv.allocate_slots("a", 14)
+    step(["a"])
+    hits, n = kv.get_computed_blocks(prompt[:12] + [50, 51])
+    log.append((hits, n))
+    tokens["b"] = prompt[:12] + [50, 51]
+    assert kv.allocate_slots("b", 14 - n, hits)
+    step(["b"])
+    kv.fork("b", "c")
+    tokens["c"] = list(tokens["b"])
+    step([])
+    for _ in range(3):
+        assert kv.allocate_many([("a", 1), ("b", 2), ("c", 1)], checked=True)
+        tokens["a"].append(7)
+        tokens["b"] += [8, 8]
+        tokens["c"].append(9)
+        step(["a", "b", "c"])
+    log.append((kv.preemption_footprint("b"), kv.swap_out("b")))
+    step([])
+    log.append(kv.swap_in("b"))
+    step(["b"])
+    kv.free("a")
+    del tokens["a"]
+    step([])
+    kv.check_invariants()
+    log.append(kv.ledger().to_dict())
+    return log
+
+
+def test_a_plain_model_is_the_one_group_case():
+    """One manager type: a plain cache, the one-group use of the grouped constructor and a hybrid
+    cache are one class; plain and one-group behave identically step by step (tables, deltas,
+    copies, ledger), with or without a window; and the block ids are the ones the two managers
+    before issue 40 gave (same allocation order: the simulator's and engine's figures hold)."""
+    from kvledger.config import CacheConfig, SchedulerConfig
+    from kvledger.core.scheduler import Scheduler
+
+    def make(**kw) -> KVCacheManager:
+        return KVCacheManager(40, BS, bytes_per_token=8, num_host_blocks=16, **kw)
+
+    plain, grouped, hybrid = make(), make(windows=[None]), make(windows=[None, 6])
+    assert type(plain) is type(grouped) is type(hybrid) is KVCacheManager
+    built = [Scheduler.build(SchedulerConfig(), CacheConfig(block_size=BS), 40, 8, windows=w).kv
+             for w in (None, [None], [6], [None, 6])]
+    assert {type(kv) for kv in built} == {KVCacheManager}
+    assert [len(kv.groups) for kv in built] == [1, 1, 1, 2]
+
+    log = _scripted(plain)
+    assert log == _scripted(grouped)
+    assert _scripted(make(sliding_window=6)) == _scripted(make(windows=[6]))
+    hybrid_log = _scripted(hybrid)
+    # Block ids as the pre-refactor KVCacheManager / HybridKVCacheManager allocated them.
+    assert log[1] == ([[0, 1, 2]], 12)
+    assert log[-2][0] == {"b": [[0, 1, 2, 9, 10]], "c": [[0, 1, 2, 4, 8]]}
+    assert hybrid_log[1] == ([[0, 1, 2], [RELEASED, 5, 6]], 12)
+    assert hybrid_log[-2][0] == {
+        "b": [[0, 1, 2, 18, 19], [RELEASED] * 3 + [20, 21]],
+        "c": [[0, 1, 2, 8, 15], [RELEASED] * 3 + [9, 17]],
+    }
+    ledger = hybrid_log[-1]
+    assert (ledger["used_blocks"], ledger["shared_blocks"], ledger["tokens_stored"]) == (11, 3, 38)
+    b = ledger["requests"]["b"]
+    assert (b["private_blocks"], b["shared_blocks"]) == (4, 3)
+
+
+def test_bad_windows_are_rejected():
+    from kvledger.errors import CacheError
+
+    with pytest.raises(CacheError, match="sliding_window must be positive"):
+        KVCacheManager(8, BS, windows=[None, 0])
+    with pytest.raises(CacheError, match="not both"):
+        KVCacheManager(8, BS, sliding_window=4, windows=[None, 4])
+    with pytest.raises(CacheError, match="at least one group"):
+        KVCacheManager(8, BS, windows=[])
+    kv = KVCacheManager(8, BS, windows=[None, 4])
+    with pytest.raises(CacheError, match="one per KV cache group"):
+        kv.allocate_slots("a", 4, [[]])  # a hit must come as get_computed_blocks gives it
+    assert not kv.requests and kv.num_used_blocks == 0

@@ -109,14 +109,14 @@ def test_allocate_with_cached_blocks_counts_revived_blocks_and_fails_cleanly():
     kv.free("a")
     assert kv.allocate_slots("x", 4)  # take one plain block
     computed, n = kv.get_computed_blocks(prompt)
-    assert n == 8 and len(computed) == 2
+    assert n == 8 and len(computed) == 1 and len(computed[0]) == 2  # one group
     # Reviving the two cached blocks uses two of the three free blocks; 9 more tokens need 3.
     assert kv.blocks_needed("b", 9, computed) == 5
     before = kv_state(kv)
     assert not kv.allocate_slots("b", 9, computed)
     assert kv_state(kv) == before
     assert kv.allocate_slots("b", 1, computed)
-    assert kv.block_table("b")[:2] == computed
+    assert [kv.block_table("b")[:2]] == computed
     kv.check_invariants()
 
 
@@ -174,12 +174,12 @@ def test_get_computed_blocks_never_covers_the_last_prompt_token():
     prompt = list(range(8))  # exactly two full blocks
     assert _new(kv, "a", prompt) == 0
     blocks, n = kv.get_computed_blocks(prompt)
-    assert n == 4 and blocks == kv.block_table("a")[:1]  # the last block is recomputed
+    assert n == 4 and blocks == [kv.block_table("a")[:1]]  # the last block is recomputed
     blocks, n = kv.get_computed_blocks(prompt + [99])
-    assert n == 8 and blocks == kv.block_table("a")
-    assert kv.get_computed_blocks(prompt[:1]) == ([], 0)
-    assert kv.get_computed_blocks([]) == ([], 0)
-    assert kv.get_computed_blocks(prompt[:4]) == ([], 0)
+    assert n == 8 and blocks == [kv.block_table("a")]
+    assert kv.get_computed_blocks(prompt[:1]) == ([[]], 0)
+    assert kv.get_computed_blocks([]) == ([[]], 0)
+    assert kv.get_computed_blocks(prompt[:4]) == ([[]], 0)
 
 
 def test_new_request_reuses_every_cached_full_block_of_its_prompt():
@@ -187,14 +187,14 @@ def test_new_request_reuses_every_cached_full_block_of_its_prompt():
     prompt = list(range(14))  # 3 full blocks + 2 tokens
     _new(kv, "a", prompt)
     blocks, n = kv.get_computed_blocks(prompt[:12] + [50, 51, 52])
-    assert n == 12 and blocks == kv.block_table("a")[:3]
+    assert n == 12 and blocks == [kv.block_table("a")[:3]]
     assert kv.allocate_slots("b", 3, blocks)
     assert kv.block_table("b")[:3] == kv.block_table("a")[:3]
     assert kv.block_table("b")[3] not in kv.block_table("a")
-    assert all(kv.pool.blocks[b].ref_cnt == 2 for b in blocks)
+    assert all(kv.pool.blocks[b].ref_cnt == 2 for b in blocks[0])
     # A prompt that diverges in the second block reuses only the first.
     blocks, n = kv.get_computed_blocks(prompt[:5] + [77] * 8)
-    assert n == 4 and blocks == kv.block_table("a")[:1]
+    assert n == 4 and blocks == [kv.block_table("a")[:1]]
     kv.check_invariants()
 
 
@@ -216,14 +216,14 @@ def test_freed_blocks_keep_their_content_until_the_pool_needs_room():
     kv.free("a")
     snap = kv.ledger()
     assert (snap.used_blocks, snap.cached_blocks, snap.free_blocks) == (0, 3, 3)
-    assert kv.get_computed_blocks(prompt) == (table[:3], 12)
+    assert kv.get_computed_blocks(prompt) == ([table[:3]], 12)
     # Allocations first take the never-cached blocks, then evict LRU, tail first.
     assert kv.allocate_slots("x", 12)
     assert set(kv.block_table("x")).isdisjoint(table[:3])
     assert kv.get_computed_blocks(prompt)[1] == 12
     assert kv.allocate_slots("y", 1)
     assert kv.block_table("y") == [table[2]]  # the freed request's tail goes first
-    assert kv.get_computed_blocks(prompt) == (table[:2], 8)
+    assert kv.get_computed_blocks(prompt) == ([table[:2]], 8)
     assert kv.pool.num_evictions == 1
     kv.check_invariants()
 
@@ -239,8 +239,8 @@ def test_lru_order_across_requests():
     # Six blocks: two plain + a's partial + b's partial first, then a's tail.
     assert kv.allocate_slots("x", 4 * 5)
     assert ta[1] in kv.block_table("x") and tb[1] not in kv.block_table("x")
-    assert kv.get_computed_blocks(pa) == (ta[:1], 4)
-    assert kv.get_computed_blocks(pb) == (tb[:2], 8)
+    assert kv.get_computed_blocks(pa) == ([ta[:1]], 4)
+    assert kv.get_computed_blocks(pb) == ([tb[:2]], 8)
 
 
 @pytest.mark.parametrize("salt", [None, "tenant-a"])
@@ -250,14 +250,14 @@ def test_hash_collision_never_aliases_different_tokens(monkeypatch, salt):
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     _new(kv, "a", prompt, salt)
     # Every block has the same hash; only exact content (and parent) may hit.
-    assert kv.get_computed_blocks([9, 9, 9, 9, 5, 6, 7, 8, 9], salt) == ([], 0)
-    assert kv.get_computed_blocks([1, 2, 3, 5, 5, 6, 7, 8, 9], salt) == ([], 0)
+    assert kv.get_computed_blocks([9, 9, 9, 9, 5, 6, 7, 8, 9], salt) == ([[]], 0)
+    assert kv.get_computed_blocks([1, 2, 3, 5, 5, 6, 7, 8, 9], salt) == ([[]], 0)
     blocks, n = kv.get_computed_blocks([1, 2, 3, 4, 0, 0, 0, 0, 9], salt)
-    assert (blocks, n) == (kv.block_table("a")[:1], 4)
+    assert (blocks, n) == ([kv.block_table("a")[:1]], 4)
     # Block 1's content [5..8] under the wrong parent is no hit either.
-    assert kv.get_computed_blocks([5, 6, 7, 8, 5, 6, 7, 8, 9], salt) == ([], 0)
+    assert kv.get_computed_blocks([5, 6, 7, 8, 5, 6, 7, 8, 9], salt) == ([[]], 0)
     kv.free("a")
-    assert kv.get_computed_blocks([9, 9, 9, 9, 1], salt) == ([], 0)
+    assert kv.get_computed_blocks([9, 9, 9, 9, 1], salt) == ([[]], 0)
     kv.check_invariants()
 
 
@@ -265,12 +265,12 @@ def test_salt_separates_otherwise_identical_prefixes():
     kv = _manager()
     prompt = list(range(9))
     _new(kv, "a", prompt, salt="tenant-a")
-    assert kv.get_computed_blocks(prompt) == ([], 0)
-    assert kv.get_computed_blocks(prompt, "tenant-b") == ([], 0)
-    assert kv.get_computed_blocks(prompt, "tenant-a") == (kv.block_table("a")[:2], 8)
+    assert kv.get_computed_blocks(prompt) == ([[]], 0)
+    assert kv.get_computed_blocks(prompt, "tenant-b") == ([[]], 0)
+    assert kv.get_computed_blocks(prompt, "tenant-a") == ([kv.block_table("a")[:2]], 8)
     assert _new(kv, "b", prompt) == 0
     assert set(kv.block_table("a")).isdisjoint(kv.block_table("b"))
-    assert kv.get_computed_blocks(prompt) == (kv.block_table("b")[:2], 8)
+    assert kv.get_computed_blocks(prompt) == ([kv.block_table("b")[:2]], 8)
 
 
 def test_salt_is_verified_on_a_hash_collision(monkeypatch):
@@ -280,9 +280,9 @@ def test_salt_is_verified_on_a_hash_collision(monkeypatch):
     kv = _manager()
     prompt = list(range(9))
     _new(kv, "a", prompt, salt="tenant-a")
-    assert kv.get_computed_blocks(prompt) == ([], 0)
-    assert kv.get_computed_blocks(prompt, "tenant-b") == ([], 0)
-    assert kv.get_computed_blocks(prompt, "tenant-a") == (kv.block_table("a")[:1], 4)
+    assert kv.get_computed_blocks(prompt) == ([[]], 0)
+    assert kv.get_computed_blocks(prompt, "tenant-b") == ([[]], 0)
+    assert kv.get_computed_blocks(prompt, "tenant-a") == ([kv.block_table("a")[:1]], 4)
 
 
 def test_a_cached_block_shared_by_n_requests_is_stored_once():
@@ -311,7 +311,7 @@ def test_prefix_caching_disabled():
     kv = _manager(enable_prefix_caching=False)
     prompt = list(range(9))
     _new(kv, "a", prompt)
-    assert kv.get_computed_blocks(prompt) == ([], 0)
+    assert kv.get_computed_blocks(prompt) == ([[]], 0)
     kv.free("a")
     assert kv.ledger().cached_blocks == 0
 
@@ -507,10 +507,10 @@ def test_swapped_in_blocks_are_republished():
     _new(kv, "a", prompt)
     kv.swap_out("a")
     kv.pool.reset_prefix_cache()  # the device copies are gone
-    assert kv.get_computed_blocks(prompt) == ([], 0)
+    assert kv.get_computed_blocks(prompt) == ([[]], 0)
     kv.swap_in("a")
     kv.cache_blocks("a", prompt, len(prompt))
-    assert kv.get_computed_blocks(prompt) == (kv.block_table("a")[:2], 8)
+    assert kv.get_computed_blocks(prompt) == ([kv.block_table("a")[:2]], 8)
     kv.check_invariants()
 
 
@@ -556,9 +556,9 @@ def test_write_after_trim_into_a_published_block_does_not_corrupt_the_cache():
     assert copies == [(published, kv.block_table("a")[1])]
     # The published block still holds exactly prompt[4:8]; a new request may use it.
     blocks, n = kv.get_computed_blocks(prompt + [1])
-    assert n == 8 and blocks[1] == published != kv.block_table("a")[1]
+    assert n == 8 and blocks[0][1] == published != kv.block_table("a")[1]
     blocks, n = kv.get_computed_blocks(tokens + [1])
-    assert n == 8 and blocks[1] == kv.block_table("a")[1]
+    assert n == 8 and blocks[0][1] == kv.block_table("a")[1]
     kv.check_invariants()
 
 

@@ -9,6 +9,10 @@ slots holding exactly its own values, which catches any COW, swap, eviction or p
 aliasing bug, and the manager's ledger and reference counts must agree with a shadow model.
 Device positions resolve through a runner-side ``BlockTable`` fed only by the manager's table
 deltas, so a delta that misses any change (COW, swap, release, trim, free) fails here.
+``WINDOWS`` is the manager's KV cache groups: one full-attention group here, a sliding window and
+a hybrid model's groups in tests/test_sliding_window_properties.py. With several groups every
+group writes its own table's blocks and a slot's value names its group, so no group may ever
+read another's block.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from hypothesis.stateful import (
 )
 
 import kvledger.cache.block_hash as block_hash_mod
+from kvledger.cache.attention_policy import RELEASED, first_live_block
 from kvledger.cache.kv_cache_manager import KVCacheManager
 from kvledger.errors import CacheError, OutOfBlocksError
 from kvledger.ledger.block_map import block_map
@@ -51,20 +56,28 @@ SETTINGS = settings(
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    WINDOWS: list[int | None] = [None]  # each KV cache group's window
+    NUM_BLOCKS = NUM_BLOCKS
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BS, bytes_per_token=8, num_host_blocks=NUM_HOST_BLOCKS)
+        self.kv = KVCacheManager(
+            self.NUM_BLOCKS, BS, bytes_per_token=8, num_host_blocks=NUM_HOST_BLOCKS,
+            windows=self.WINDOWS,
+        )
+        self.groups = range(len(self.WINDOWS))
         self.tokens: dict[str, list[int]] = {}  # shadow: each request's logical positions
         self.salts: dict[str, str | None] = {}
         self.swapped: set[str] = set()
         self.device: dict[int, tuple] = {}  # slot -> value
         self.host: dict[int, tuple] = {}
         self.next_id = 0
-        self.tables = BlockTable(rows=2, cols=2)  # the runner's copy (small: rows and columns grow)
+        # The runner's copy, one per group (small: rows and columns grow).
+        self.tables = [BlockTable(rows=2, cols=2) for _ in self.groups]
 
     # -- the simulated runner -------------------------------------------------------------------
-    def _value(self, rid: str, pos: int) -> tuple:
-        return (self.salts[rid], tuple(self.tokens[rid][: pos + 1]))
+    def _value(self, g: int, rid: str, pos: int) -> tuple:
+        return (g, self.salts[rid], tuple(self.tokens[rid][: pos + 1]))
 
     @staticmethod
     def _copy_block(src: dict, s: int, dst: dict, d: int) -> None:
@@ -84,11 +97,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             self._copy_block(self.host, h, self.device, d)
 
     def _write(self, rid: str, start: int, end: int) -> None:
-        table = self.kv.block_table(rid)
-        for pos in range(start, end):
-            b = table[pos // BS]
-            assert b >= 0, (rid, pos, table)
-            self.device[b * BS + pos % BS] = self._value(rid, pos)
+        for g in self.groups:
+            table = self.kv.block_table(rid, g)
+            for pos in range(start, end):
+                b = table[pos // BS]
+                assert b >= 0, (g, rid, pos, table)
+                self.device[b * BS + pos % BS] = self._value(g, rid, pos)
 
     def _new_id(self) -> str:
         self.next_id += 1
@@ -98,9 +112,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         """After a step: the request's full computed blocks join the prefix cache."""
         self.kv.cache_blocks(rid, self.tokens[rid], len(self.tokens[rid]))
 
-    def _visible(self, rid: str, pos: int) -> bool:
-        """Whether a position must still resolve to its value (see the windowed machine)."""
-        return True
+    def _visible(self, g: int, rid: str, pos: int) -> bool:
+        """Whether a position must still resolve to its value in group g: everywhere but in
+        blocks released behind g's window, which only a position no query sees may be in."""
+        if self.kv.block_table(rid, g)[pos // BS] != RELEASED:
+            return True
+        window = self.WINDOWS[g]
+        assert window is not None, (g, rid, pos)
+        assert pos // BS < first_live_block(len(self.tokens[rid]), window, BS), (g, rid, pos)
+        return False
 
     def _resident(self) -> list[str]:
         return sorted(r for r in self.tokens if r not in self.swapped)
@@ -114,14 +134,15 @@ class KVCacheMachine(RuleBasedStateMachine):
             prompt = [1]
         rid = self._new_id()
         computed, num_cached = self.kv.get_computed_blocks(prompt, salt)
-        assert num_cached == len(computed) * BS < len(prompt)
+        assert len(computed) == len(self.groups)
+        assert all(num_cached == len(c) * BS < len(prompt) for c in computed)
         before = kv_state(self.kv)
         if not self.kv.allocate_slots(rid, len(prompt) - num_cached, computed, salt):
             assert kv_state(self.kv) == before
             assert rid not in self.kv.requests
             return
         self.kv.record_prefix_lookup(len(prompt), num_cached)
-        assert self.kv.block_table(rid)[: len(computed)] == computed
+        assert all(self.kv.block_table(rid, g)[: len(c)] == c for g, c in enumerate(computed))
         self.tokens[rid], self.salts[rid] = list(prompt), salt
         self._run_step()
         self._write(rid, num_cached, len(prompt))
@@ -159,7 +180,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.kv.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
         self.salts[child] = self.salts[parent]
-        assert self.kv.block_table(child) == self.kv.block_table(parent)
+        assert self.kv.block_tables(child) == self.kv.block_tables(parent)
 
     @precondition(lambda self: bool(self.tokens))
     @rule(data=st.data())
@@ -177,8 +198,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_out(self, data):
         rid = data.draw(st.sampled_from(self._resident()))
-        table = list(self.kv.block_table(rid))
-        private = [b for b in table if b >= 0 and self.kv.pool.blocks[b].ref_cnt == 1]
+        tables = [list(t) for t in self.kv.block_tables(rid)]
+        private = [b for t in tables for b in t if b >= 0 and self.kv.pool.blocks[b].ref_cnt == 1]
         if not self.kv.can_swap_out(rid):
             before = kv_state(self.kv)
             with pytest.raises(OutOfBlocksError):
@@ -202,7 +223,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 self.kv.swap_in(rid)
             assert kv_state(self.kv) == before
             return
-        host = set(self.kv.requests[rid].host_blocks.values())
+        host = {h for t in self.kv.requests[rid].tables for h in t.host_blocks.values()}
         pairs = self.kv.swap_in(rid)
         assert {h for h, _ in pairs} == host
         assert not self.kv.is_swapped(rid)
@@ -242,27 +263,35 @@ class KVCacheMachine(RuleBasedStateMachine):
         for rid, toks in self.tokens.items():
             req = kv.requests[rid]
             assert req.num_tokens == len(toks)
-            table = kv.block_table(rid)
-            assert len(table) == -(-len(toks) // BS)  # at most one partial block
             assert kv.is_swapped(rid) == (rid in self.swapped)
-            for b in table:
-                if b >= 0:
-                    holders[b] = holders.get(b, 0) + 1
-            for h in req.host_blocks.values():
-                host_holders[h] = host_holders.get(h, 0) + 1
-            assert all(table[i] == -1 for i in req.host_blocks)
             r = snap.requests[rid]
-            assert r.private_blocks + r.shared_blocks == sum(b >= 0 for b in table) == r.blocks
-            assert r.swapped_blocks == len(req.host_blocks)
-            assert r.shared_blocks == sum(b >= 0 and holders_total(kv, b) > 1 for b in table)
+            live = shared = swapped = 0  # the request's, summed over its groups
+            for g in self.groups:
+                table, host_blocks = kv.block_table(rid, g), req.tables[g].host_blocks
+                assert len(table) == -(-len(toks) // BS)  # at most one partial block
+                for b in table:
+                    if b >= 0:
+                        holders[b] = holders.get(b, 0) + 1
+                for h in host_blocks.values():
+                    host_holders[h] = host_holders.get(h, 0) + 1
+                assert all(table[i] == -1 for i in host_blocks)
+                live += sum(b >= 0 for b in table)
+                shared += sum(b >= 0 and holders_total(kv, b) > 1 for b in table)
+                swapped += len(host_blocks)
+            assert r.private_blocks + r.shared_blocks == live == r.blocks
+            assert r.swapped_blocks == swapped
+            assert r.shared_blocks == shared
         assert snap.used_blocks == len(holders)
         assert all(kv.pool.blocks[b].ref_cnt == n for b, n in holders.items())
         assert set(host_holders.values()) <= {1}
         assert snap.swapped_blocks == len(host_holders) == kv.host_pool.num_used_blocks
         assert snap.shared_blocks == sum(1 for n in holders.values() if n > 1)
-        assert not kv._pending_copies
+        assert not any(g.copies for g in kv.groups)  # every COW copy was taken by the runner
+        # The simulator's memory probe says what the ledger says.
+        stored, shared_fill = kv.pool_fill()
+        assert stored == snap.tokens_stored and len(shared_fill) == snap.shared_blocks
         # The dashboard's block map (one cell per block, and grouped) says the same.
-        for cells in (NUM_BLOCKS, 3):
+        for cells in (self.NUM_BLOCKS, 3):
             bm = block_map(kv, max_cells=cells)
             c = bm["counts"]
             assert (c["free"], c["cached"]) == (snap.free_blocks, snap.cached_blocks)
@@ -270,32 +299,41 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert c["swapped_out"] == len(host_holders)
             assert sum(cell["n"] for cell in bm["cells"] if "n" in cell) == sum(holders.values())
 
+    def _apply_deltas(self) -> None:
+        deltas = self.kv.take_table_deltas()
+        assert {d.group for d in deltas.changed} <= set(self.groups)
+        for g, bt in enumerate(self.tables):
+            bt.apply(deltas, g)
+
     @invariant()
     def runner_tables_follow_the_deltas(self):
-        self.tables.apply(self.kv.take_table_deltas())
-        assert set(self.tables.index) == set(self.kv.requests)
-        for rid in self.kv.requests:
-            assert self.tables.table(rid) == self.kv.block_table(rid)
-            row = self.tables.index[rid]
-            assert not self.tables.array[row, len(self.kv.block_table(rid)) :].any()
-        used = set(self.tables.index.values())
-        assert not self.tables.array[[r for r in range(len(self.tables.array)) if r not in used]].any()
+        self._apply_deltas()
+        for g, bt in enumerate(self.tables):
+            assert set(bt.index) == set(self.kv.requests)
+            for rid in self.kv.requests:
+                assert bt.table(rid) == self.kv.block_table(rid, g)
+                row = bt.index[rid]
+                assert not bt.array[row, len(self.kv.block_table(rid, g)) :].any()
+            used = set(bt.index.values())
+            assert not bt.array[[r for r in range(len(bt.array)) if r not in used]].any()
 
     @invariant()
     def every_position_holds_its_own_value(self):
-        self.tables.apply(self.kv.take_table_deltas())
+        self._apply_deltas()
         for rid, toks in self.tokens.items():
             req = self.kv.requests[rid]
-            table = self.tables.table(rid)  # what a runner sees
-            for pos in range(len(toks)):
-                i, o = divmod(pos, BS)
-                if not self._visible(rid, pos):
-                    continue
-                if i in req.host_blocks:
-                    got = self.host.get(req.host_blocks[i] * BS + o)
-                else:
-                    got = self.device.get(table[i] * BS + o)
-                assert got == self._value(rid, pos), (rid, pos, got)
+            for g, bt in enumerate(self.tables):
+                table = bt.table(rid)  # what a runner sees
+                host_blocks = req.tables[g].host_blocks
+                for pos in range(len(toks)):
+                    i, o = divmod(pos, BS)
+                    if not self._visible(g, rid, pos):
+                        continue
+                    if i in host_blocks:
+                        got = self.host.get(host_blocks[i] * BS + o)
+                    else:
+                        got = self.device.get(table[i] * BS + o)
+                    assert got == self._value(g, rid, pos), (g, rid, pos, got)
 
     def teardown(self):
         for rid in list(self.tokens):

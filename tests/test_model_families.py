@@ -60,12 +60,12 @@ def test_prefix_hits_n2_and_preemption_match_hf(kind, mode, tmp_path):
 def test_window_model_request_holds_only_its_window(tmp_path):
     """Every layer sliding (window 9): a 100-token request several windows long holds at most
     the window's blocks plus the chunk being written, step after step, and matches HF."""
-    from kvledger.cache.kv_cache_manager import cdiv
+    from kvledger.cache.attention_policy import cdiv
 
     hf = build_hf_model(tiny_config("mistral_window"), tmp_path)
     llm = LLM(str(tmp_path), block_size=4, max_num_batched_tokens=8, calibrate_preemption=False)
     eng = llm.engine
-    assert eng.kv.sliding_window == 9
+    assert eng.kv.windows == [9]  # one group, every layer with the window
     prompt = torch.randint(3, 97, (30,), generator=torch.Generator().manual_seed(5)).tolist()
     eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True), request_id="r")
     bound = cdiv(9 - 1 + 8, 4) + 1  # the window before a chunk of 8, plus a partial block
@@ -84,7 +84,7 @@ def test_hybrid_model_sliding_groups_hold_only_their_window(tmp_path):
     """Gemma 3 (two local layers of window 6 per global one): the KV cache groups split the
     layers, each local group holds at most its window's blocks step after step while the
     global group holds every token, the pool charges exactly that, and the output matches HF."""
-    from kvledger.cache.kv_cache_manager import cdiv
+    from kvledger.cache.attention_policy import cdiv
 
     hf = build_hf_model(tiny_config("gemma3"), tmp_path)
     llm = LLM(str(tmp_path), block_size=4, max_num_batched_tokens=8, calibrate_preemption=False)

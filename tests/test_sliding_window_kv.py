@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvledger.cache.kv_cache_manager import RELEASED, KVCacheManager, cdiv, first_live_block
+from kvledger.cache.attention_policy import RELEASED, cdiv, first_live_block
+from kvledger.cache.kv_cache_manager import KVCacheManager
 
 BS, W = 4, 10
 
@@ -49,7 +50,7 @@ def test_long_request_used_blocks_stay_bounded_by_the_window():
         kv.check_invariants()
     table = kv.block_table("a")
     assert len(table) == cdiv(len(tokens), BS) and table[0] == RELEASED
-    assert kv.requests["a"].num_released == first_live_block(len(tokens), W, BS)
+    assert kv.requests["a"].tables[0].num_released == first_live_block(len(tokens), W, BS)
     kv.free("a")
     assert kv.num_used_blocks == 0
 
@@ -74,7 +75,7 @@ def test_prefix_hit_needs_only_the_window_blocks():
     first = first_live_block(40, W, BS)  # a query at 40 sees 31..40: blocks 7, 8, 9 (+ new)
     assert first == 7
     hits, n = kv.get_computed_blocks(prompt)
-    assert n == 40 and hits == [RELEASED] * 7 + ids[7:]
+    assert n == 40 and hits == [[RELEASED] * 7 + ids[7:]]
     # Evict blocks 0-5: the same hit, the evicted blocks were outside its window.
     for i in range(6):
         kv.pool._evict(kv.pool.blocks[ids[i]])
@@ -85,10 +86,10 @@ def test_prefix_hit_needs_only_the_window_blocks():
     kv.free("b")
     # Evict block 9: the longest hit whose window is whole is 9 blocks (needs 6, 7, 8).
     kv.pool._evict(kv.pool.blocks[ids[9]])
-    assert kv.get_computed_blocks(prompt) == ([RELEASED] * 6 + ids[6:9], 36)
+    assert kv.get_computed_blocks(prompt) == ([[RELEASED] * 6 + ids[6:9]], 36)
     # And block 6 too: no shorter prefix has its window either (0-5 are gone).
     kv.pool._evict(kv.pool.blocks[ids[6]])
-    assert kv.get_computed_blocks(prompt) == ([], 0)
+    assert kv.get_computed_blocks(prompt) == ([[]], 0)
 
 
 def _published(kv: KVCacheManager, prompt: list[int], i: int) -> int:

@@ -80,14 +80,14 @@ def test_simulator_releases_window_blocks_like_the_engine():
     """The simulator builds the engine's block manager: with a window of 64 a 2,000-token
     request runs in a 12-block pool (without it, it would need 129 blocks) and the pool never
     holds more than the window's blocks plus a prefill chunk's."""
-    from kvledger.cache.kv_cache_manager import cdiv
+    from kvledger.cache.attention_policy import cdiv
     from kvledger.config import CacheConfig, SchedulerConfig
     from kvledger.sim import Simulator, StepCostModel, TraceRequest
 
     sc = SchedulerConfig(max_model_len=4096, max_num_batched_tokens=64)
     trace = [TraceRequest(0.0, 2000, 50)]
     cheap = StepCostModel(a=1e-3, b=1e-5, c=1e-8)
-    result = Simulator(trace, sc, CacheConfig(block_size=16), 12, 1024, cheap, sliding_window=64).run()
+    result = Simulator(trace, sc, CacheConfig(block_size=16), 12, 1024, cheap, windows=[64]).run()
     assert result.requests[0].num_output_tokens == 50
     assert max(s.used_blocks for s in result.steps) <= cdiv(64 - 1 + 64, 16) + 1
     with pytest.raises(ConfigError, match="needs 126 KV blocks; the pool only has 12"):
@@ -98,14 +98,14 @@ def test_simulator_frees_a_hybrid_models_sliding_groups():
     """One full and two sliding groups (window 64): a 2,000-token request holds 128 full-group
     blocks at its end plus at most a window and a chunk per sliding group; the pool of 150
     blocks would not even take its prompt without the groups (3 x 126)."""
-    from kvledger.cache.kv_cache_manager import cdiv
+    from kvledger.cache.attention_policy import cdiv
     from kvledger.config import CacheConfig, SchedulerConfig
     from kvledger.sim import Simulator, StepCostModel, TraceRequest
 
     sc = SchedulerConfig(max_model_len=4096, max_num_batched_tokens=64)
     trace = [TraceRequest(0.0, 2000, 50)]
     cheap = StepCostModel(a=1e-3, b=1e-5, c=1e-8)
-    sim = Simulator(trace, sc, CacheConfig(block_size=16), 150, 1024, cheap, group_windows=[None, 64, 64])
+    sim = Simulator(trace, sc, CacheConfig(block_size=16), 150, 1024, cheap, windows=[None, 64, 64])
     result = sim.run()
     assert result.requests[0].num_output_tokens == 50
     window = cdiv(64 - 1 + 64, 16) + 1

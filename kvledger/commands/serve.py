@@ -231,7 +231,7 @@ def load_chat_template(value: str) -> str:
 
 def capacity_line(info: Any) -> str:
     """The ledger's capacity (from an ``EngineInfo``), as `kvledger plan` would state it."""
-    from kvledger.cache.kv_cache_manager import cdiv
+    from kvledger.cache.attention_policy import cdiv
     from kvledger.ledger.accounting import format_bytes
 
     blocks, bs, bpt = info.num_blocks, info.block_size, info.bytes_per_token

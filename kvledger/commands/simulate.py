@@ -301,10 +301,11 @@ def _print_table(f: dict[str, Any], naive: bool) -> None:
 
 def _reference_bytes_per_token(setup) -> int:
     """KV bytes per pool slot in the model dtype (a KV cache group's layers for hybrid models)."""
-    from kvledger.cache.kv_cache_groups import kv_cache_layout
     from kvledger.ledger.accounting import kv_bytes_per_token
+    from kvledger.ledger.kv_cache_groups import kv_cache_layout
 
     total = kv_bytes_per_token(setup.spec, "auto", setup.tp).total
-    if setup.group_windows is None:
+    layout = kv_cache_layout(setup.spec.layer_windows)
+    if not layout.is_hybrid:
         return total
-    return total // setup.spec.num_layers * kv_cache_layout(setup.spec.layer_windows).group_size
+    return total // setup.spec.num_layers * layout.group_size

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from kvledger.cache.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvledger.cache.kv_cache_manager import KVCacheManager
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel, select_victim
@@ -25,13 +24,12 @@ def build_kv_manager(
     cache: CacheConfig,
     num_blocks: int,
     bytes_per_token: int,
-    sliding_window: int | None = None,
-    group_windows: list[int | None] | None = None,
-) -> KVCacheManager | HybridKVCacheManager:
-    """The block manager for a pool of ``num_blocks`` (engine builder and simulator).
-    ``sliding_window``: every layer attends to a window (see KVCacheManager).
-    ``group_windows``: a hybrid model's KV cache groups (kvledger.cache.kv_cache_groups), each
-    group's window; ``bytes_per_token`` is then one pool slot (a group's layers).
+    windows: list[int | None] | None = None,
+) -> KVCacheManager:
+    """The block manager for a pool of ``num_blocks`` (the engine's builder and the simulator).
+    ``windows``: each KV cache group's sliding window (None: full attention;
+    kvledger.ledger.kv_cache_groups), one full-attention group if not given;
+    ``bytes_per_token`` is one pool slot (a group's layers).
 
     The host swap pool holds ``swap_space`` GiB, at most as many blocks as the device pool,
     and none when preemption is recompute-only.
@@ -40,24 +38,14 @@ def build_kv_manager(
     num_host = min(int(cache.swap_space * (1 << 30)) // bytes_per_block, num_blocks)
     if config.preemption_mode == "recompute":
         num_host = 0
-    if group_windows is not None and len(group_windows) > 1:
-        return HybridKVCacheManager(
-            num_blocks,
-            cache.block_size,
-            group_windows,
-            bytes_per_token=bytes_per_token,
-            enable_prefix_caching=cache.enable_prefix_caching,
-            num_host_blocks=num_host,
-            hash_algo=cache.prefix_caching_hash_algo,
-        )
     return KVCacheManager(
         num_blocks,
         cache.block_size,
         bytes_per_token=bytes_per_token,
         enable_prefix_caching=cache.enable_prefix_caching,
         num_host_blocks=num_host,
-        sliding_window=sliding_window,
         hash_algo=cache.prefix_caching_hash_algo,
+        windows=windows,
     )
 
 
@@ -70,17 +58,16 @@ class Scheduler:
         num_blocks: int,
         bytes_per_token: int,
         cost_model: PreemptionCostModel | None = None,
-        sliding_window: int | None = None,
-        group_windows: list[int | None] | None = None,
+        windows: list[int | None] | None = None,
     ) -> Scheduler:
         """A scheduler over a new block manager (``build_kv_manager``): the simulator's."""
-        kv = build_kv_manager(config, cache, num_blocks, bytes_per_token, sliding_window, group_windows)
+        kv = build_kv_manager(config, cache, num_blocks, bytes_per_token, windows)
         return cls(config, kv, cost_model)
 
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_cache_manager: KVCacheManager | HybridKVCacheManager,
+        kv_cache_manager: KVCacheManager,
         cost_model: PreemptionCostModel | None = None,
         rope_long_from: int | None = None,
     ) -> None:

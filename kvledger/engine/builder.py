@@ -19,8 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvledger.cache.kv_cache_groups import KVCacheLayout, kv_cache_layout
-from kvledger.cache.kv_cache_manager import cdiv
+from kvledger.cache.attention_policy import cdiv
 from kvledger.config import EngineConfig
 from kvledger.core.engine import LLMEngine
 from kvledger.core.preemption import PreemptionCostModel
@@ -36,6 +35,7 @@ from kvledger.ledger.accounting import (
     kv_bytes_per_token,
     per_request_overhead_bytes,
 )
+from kvledger.ledger.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from kvledger.model.loader import LoadedModel, load_model
 from kvledger.storage.kv_overlay import SINK_CACHE_ENTRIES
 from kvledger.worker.messages import WorkerSpec
@@ -108,10 +108,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         budget = _kv_budget(config, facts, worker, device, free_at_start)
         num_blocks = _num_blocks(config, facts, budget - reserved, bytes_per_block)
     facts.num_blocks = num_blocks
-    kv = build_kv_manager(
-        sc, cc, num_blocks, facts.bytes_per_token, facts.spec.uniform_window,
-        facts.kv_layout.windows if facts.kv_layout.is_hybrid else None,
-    )  # fmt: skip
+    kv = build_kv_manager(sc, cc, num_blocks, facts.bytes_per_token, facts.kv_layout.windows)
     lay = facts.kv_layout
     spec = replace(
         spec,

@@ -14,6 +14,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from kvledger.errors import ConfigError
+from kvledger.ledger.kv_cache_groups import kv_cache_layout
 from kvledger.ledger.spec import ModelSpec
 
 GiB = 1024**3
@@ -86,7 +87,7 @@ class RequestKV:
     Full-attention layers grow with the context; sliding-window layers stop at their window
     when blocks outside it are freed (``with_window_freeing``), else grow like full ones.
     ``pool_bytes`` is what kvledger's pool holds: its KV cache groups
-    (kvledger.cache.kv_cache_groups) of ``group_size`` layers each, a padded last group included.
+    (kvledger.ledger.kv_cache_groups) of ``group_size`` layers each, a padded last group included.
     """
 
     context_len: int
@@ -152,8 +153,6 @@ def request_kv(
     spec: ModelSpec, context_len: int, block_size: int = 16, kv_dtype: str = "auto", tp: int = 1
 ) -> RequestKV:
     """The per-layer-type KV of one context_len request (see RequestKV)."""
-    from kvledger.cache.kv_cache_groups import kv_cache_layout
-
     per_layer = kv_bytes_per_token(spec, kv_dtype, tp).total // spec.num_layers
     layout = kv_cache_layout(spec.layer_windows)
     full_groups = sum(g.sliding_window is None for g in layout.groups)
@@ -224,7 +223,7 @@ class CapacityPlan:
     request_bytes_without_window_freeing: int = 0
     max_concurrency_with_window_freeing: int = 0
     max_concurrency_without_window_freeing: int = 0
-    # kvledger's pool (kvledger.cache.kv_cache_groups): a block holds group_size layers; a
+    # kvledger's pool (kvledger.ledger.kv_cache_groups): a block holds group_size layers; a
     # request has a block table in each of the full and sliding groups.
     group_size: int = 0
     num_full_groups: int = 1

@@ -1,7 +1,9 @@
 """The block pool as a map: every KV block's state, holders and prefix hash, as plain JSON.
 
 The dashboard draws it and ``kvledger simulate --html`` records it. It is read from the same
-``BlockPool`` / ``KVCacheManager`` state as ``KVCacheManager.ledger()``, so its counts are the
+``BlockPool`` / ``KVCacheManager`` state as ``KVCacheManager.ledger()`` (through the manager's
+public ``pool``, ``host_pool``, ``block_size`` and ``tables()``: the ledger imports nothing of
+``kvledger.cache``, which reports in the ledger's types), so its counts are the
 ledger's counts: free + cached + used + shared = total blocks, used + shared = the ledger's
 ``used_blocks``, shared = ``shared_blocks``, cached = ``cached_blocks``, swapped-out = the
 host pool's used blocks. Large pools are grouped (``group_size`` consecutive blocks per cell)
@@ -14,10 +16,11 @@ runs it in a worker thread, so a large pool does not hold up the engine).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvledger.cache.kv_cache_manager import KVCacheManager, cdiv
+from kvledger.ledger.snapshot import block_fill
 
 # Device block states, in the order of each cell's counts. free: no holder, no content; cached:
 # no holder but a reusable prefix (evicted last); used: one holder; shared: several holders (a
@@ -43,7 +46,8 @@ class PoolState:
     host_ref_cnts: list[int] | None  # None: no host swap pool
 
     @classmethod
-    def capture(cls, kv: KVCacheManager) -> PoolState:
+    def capture(cls, kv: Any) -> PoolState:
+        """The state of ``kv``, a ``kvledger.cache.kv_cache_manager.KVCacheManager``."""
         blocks = kv.pool.blocks
         host = kv.host_pool
         return cls(
@@ -51,15 +55,14 @@ class PoolState:
             ref_cnts=[b.ref_cnt for b in blocks],
             hashes=[b.block_hash for b in blocks],
             tables=[  # a hybrid model's request has a table in each KV cache group
-                (rid, r.num_tokens, r.block_table[:], list(r.host_blocks.values()))
-                for m in getattr(kv, "groups", [kv])
-                for rid, r in m.requests.items()
+                (rid, num_tokens, table[:], list(host_blocks.values()))
+                for rid, num_tokens, table, host_blocks in kv.tables()
             ],
             host_ref_cnts=None if host is None else [b.ref_cnt for b in host.blocks],
         )
 
 
-def block_map(kv: KVCacheManager, max_cells: int = 2048) -> dict[str, Any]:
+def block_map(kv: Any, max_cells: int = 2048) -> dict[str, Any]:
     """``build_block_map`` of the manager's state now."""
     return build_block_map(PoolState.capture(kv), max_cells)
 
@@ -75,17 +78,16 @@ def build_block_map(state: PoolState, max_cells: int = 2048) -> dict[str, Any]:
         raise ValueError(f"max_cells must be >= 1, got {max_cells}")
     bs, refs, hashes = state.block_size, state.ref_cnts, state.hashes
     n = len(refs)
-    group = cdiv(n, max_cells)
+    group = math.ceil(n / max_cells)
     owners: dict[int, list[str]] = {}
     fill: dict[int, int] = {}
     host_owner: dict[int, str] = {}
     for rid, num_tokens, table, host_blocks in state.tables:
-        full = num_tokens // bs
         for i, b in enumerate(table):
             if b < 0:
                 continue
             held = owners.get(b)
-            f = bs if i < full else num_tokens - i * bs
+            f = block_fill(num_tokens, i, bs)
             if held is None:
                 owners[b] = [rid]
                 fill[b] = f
@@ -127,7 +129,7 @@ def build_block_map(state: PoolState, max_cells: int = 2048) -> dict[str, Any]:
     host = state.host_ref_cnts
     host_cells = []
     hn = len(host) if host is not None else 0
-    hgroup = cdiv(hn, max_cells) if hn else 1
+    hgroup = math.ceil(hn / max_cells) if hn else 1
     for start in range(0, hn, hgroup):
         ids = range(start, min(start + hgroup, hn))
         used = [h for h in ids if host[h] > 0]

@@ -6,6 +6,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+def block_fill(num_tokens: int, index: int, block_size: int) -> int:
+    """Tokens stored in block ``index`` of a table covering ``num_tokens`` (only the last block
+    is partial): the one fill rule of the ledger, the simulator's probe and the block map."""
+    return min(block_size, num_tokens - index * block_size)
+
+
 @dataclass
 class RequestBlocks:
     num_tokens: int

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvledger.cache.kv_cache_groups import kv_cache_layout
-from kvledger.cache.kv_cache_manager import cdiv
+from kvledger.cache.attention_policy import cdiv
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.errors import ConfigError
 from kvledger.ledger.accounting import DoesNotFitError, kv_bytes_per_token, plan_capacity
+from kvledger.ledger.kv_cache_groups import kv_cache_layout
 from kvledger.ledger.spec import ModelSpec, load_model_spec
 from kvledger.sim.cost_model import GPU_PRESETS, StepCostModel, calibrate_cpu, gpu_cost_model
 from kvledger.sim.simulator import SimResult, Simulator
@@ -44,7 +44,7 @@ class SimSetup:
     # Resolved by build():
     spec: ModelSpec | None = None
     bytes_per_token: int = 0
-    group_windows: list[int | None] | None = None  # a hybrid model's KV cache groups
+    windows: list[int | None] | None = None  # each KV cache group's window (the engine's layout)
     resolved_cost_model: StepCostModel | None = None
     capacity_note: str = ""
 
@@ -92,7 +92,7 @@ class SimSetup:
         if layout.is_hybrid:  # a pool slot is one KV cache group's layers, as in the engine
             self.bytes_per_token = self.bytes_per_token // spec.num_layers * layout.group_size
             useful *= len(layout.groups)
-        self.group_windows = layout.windows if layout.is_hybrid else None
+        self.windows = layout.windows
         if self.num_kv_blocks is None:
             self.num_kv_blocks = min(plan.num_blocks, useful)
             self.capacity_note = (
@@ -150,8 +150,7 @@ class SimSetup:
             self.resolved_cost_model,
             static_batch=self.static_batch,
             naive_max_seq_len=self.naive_max_seq_len,
-            sliding_window=self.spec.uniform_window,
-            group_windows=self.group_windows,
+            windows=self.windows,
         )
 
     def run(self, trace: list[TraceRequest]) -> SimResult:

@@ -49,11 +49,10 @@ def build_scheduler(
     num_blocks: int,
     bytes_per_token: int,
     cost_model: PreemptionCostModel,
-    sliding_window: int | None = None,
-    group_windows: list[int | None] | None = None,
+    windows: list[int | None] | None = None,
 ) -> Scheduler:
     """The cache manager and scheduler exactly as the engine builds them."""
-    return Scheduler.build(sc, cc, num_blocks, bytes_per_token, cost_model, sliding_window, group_windows)
+    return Scheduler.build(sc, cc, num_blocks, bytes_per_token, cost_model, windows)
 
 
 def apply_step_update(
@@ -244,12 +243,12 @@ class Simulator:
         cost_model: StepCostModel,
         static_batch: int | None = None,
         naive_max_seq_len: int | None = None,
-        sliding_window: int | None = None,
-        group_windows: list[int | None] | None = None,
+        windows: list[int | None] | None = None,
     ) -> None:
-        """``sliding_window``: the model's window when every layer has one (ModelSpec.
-        uniform_window); blocks outside it are released as in the engine. ``group_windows``:
-        a hybrid model's KV cache groups (``bytes_per_token`` is then one pool slot)."""
+        """``windows``: each KV cache group's sliding window, as the engine's layout has them
+        (``[w]``: every layer attends to w tokens; several: a hybrid model's groups, and
+        ``bytes_per_token`` is one pool slot); blocks outside a window are released as in the
+        engine. None: one full-attention group."""
         scheduler_config.validate()
         cache_config.validate()
         if num_blocks < 1:
@@ -270,8 +269,7 @@ class Simulator:
                 scheduler_config.preemption_mode,
                 recompute_threshold=scheduler_config.recompute_threshold,
             ),
-            sliding_window,
-            group_windows,
+            windows,
         )
         self.kv = self.scheduler.kv
         self.max_seq_len = naive_max_seq_len or scheduler_config.max_model_len

@@ -30,7 +30,7 @@ class WorkerSpec:
     overlay_slots: int = 0  # quantised KV: the overlay's initial slots (it grows on demand)
     attention_backend: str = "torch"
     seed: int = 0  # the sampler's generator for unseeded requests
-    # Hybrid models (KV cache groups, kvledger.cache.kv_cache_groups): each model layer's group
+    # Hybrid models (KV cache groups, kvledger.ledger.kv_cache_groups): each model layer's group
     # and pool tensor; the pool then has max(layer_slot) + 1 tensors. None: one tensor per layer.
     layer_group: tuple[int, ...] | None = None
     layer_slot: tuple[int, ...] | None = None

@@ -32,7 +32,7 @@ class AttentionMetadata:
     overlay_sink_from: list[int] | None = None
     overlay_window_from: list[int] | None = None
     # Hybrid models (KV cache groups): each layer's view, whose block tables and slots are its
-    # group's (kvledger.cache.kv_cache_groups); None: every layer uses this one.
+    # group's (kvledger.ledger.kv_cache_groups); None: every layer uses this one.
     per_layer: list[AttentionMetadata] | None = None
     # LongRoPE: each request's whole sequence length, which picks its RoPE table (None: seq_lens).
     rope_seq_lens: torch.Tensor | None = None

@@ -12,6 +12,10 @@ while the full-attention groups keep every block.
 The alternative, SGLang's SWA pool (two pools with a fixed size ratio and a full-to-SWA slot
 map), needs the split between the pools fixed up front; one shared pool lets the mix of long
 and short requests decide it, and keeps one free-block count for the scheduler.
+
+The layout is planning, so it lives with the ledger: the capacity formulas size the pool from it,
+the engine, simulator and runner map layers through it, and the block manager
+(``kvledger.cache``) is handed only each group's window.
 """
 
 from __future__ import annotations
