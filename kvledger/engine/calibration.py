@@ -17,7 +17,7 @@ import numpy as np
 
 from kvledger.cache.kv_cache_manager import KVCacheManager
 from kvledger.core.sched_output import NewRequestData, SchedulerOutput
-from kvledger.executor.base import Executor
+from kvledger.executor.base import Executor, best_time
 from kvledger.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvledger")
@@ -31,15 +31,6 @@ class Calibration:
     swap_bandwidth: float | None = None  # bytes/s each way
     swap_fixed_s: float | None = None  # one swap-out + swap-in of one block
     info: dict = field(default_factory=dict)  # what was measured (the engine reports it)
-
-
-def _timed(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _prefill_step(kv: KVCacheManager, n: int) -> SchedulerOutput:
@@ -83,9 +74,9 @@ def measure_prefill(
             if i == 0:
                 executor.execute_model(so)  # warm-up
                 so = rerun
-            t = _timed(lambda so=so: executor.execute_model(so), 1)
+            t = best_time(lambda so=so: executor.execute_model(so), 1)
             if t < 0.05 and repeats > 1:
-                t = min(t, _timed(lambda rerun=rerun: executor.execute_model(rerun), repeats - 1))
+                t = min(t, best_time(lambda rerun=rerun: executor.execute_model(rerun), repeats - 1))
             out.append(t)
         finally:
             _forget(executor, kv)

@@ -7,11 +7,23 @@ their own processes (``TPExecutor``): the same message, the same answer (vLLM v1
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from kvledger.core.sched_output import SchedulerOutput
 from kvledger.worker.messages import WorkerReady, WorkerStats
 from kvledger.worker.model_runner import ModelRunnerOutput
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` calls (timings here are floors, not averages)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 class Executor(ABC):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 from kvledger.core.sched_output import SchedulerOutput
-from kvledger.executor.base import Executor
+from kvledger.executor.base import Executor, best_time
 from kvledger.worker.messages import WorkerStats
 from kvledger.worker.model_runner import ModelRunnerOutput
 from kvledger.worker.worker import Worker
@@ -32,16 +30,8 @@ class LocalExecutor(Executor):
         n = min(num_blocks, host.num_blocks, pool.num_blocks)
         pairs = [(i, i) for i in range(n)]
         host.swap_out(pairs)  # warm-up
-        t_out = _best(lambda: host.swap_out(pairs), repeats)
-        t_in = _best(lambda: host.swap_in(pairs), repeats)
-        t_fixed = _best(lambda: (host.swap_out(pairs[:1]), host.swap_in(pairs[:1])), repeats)
+        t_out = best_time(lambda: host.swap_out(pairs), repeats)
+        t_in = best_time(lambda: host.swap_in(pairs), repeats)
+        t_fixed = best_time(lambda: (host.swap_out(pairs[:1]), host.swap_in(pairs[:1])), repeats)
         return n, t_out, t_in, t_fixed
 
-
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
