@@ -29,7 +29,6 @@ class CachedRequestState:
     # n > 1: the children sampled with this request at its first sample (ids), then forked.
     children: list[str] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
     sampling_state: object | None = None  # sample.logits_processor.SamplingState
 
     def __post_init__(self) -> None:
@@ -42,7 +41,12 @@ class CachedRequestState:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy (the penalties and bad words read it for the rows that need them)."""
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
 
 def _generator(params: SamplingParams, index: int) -> torch.Generator | None:
@@ -70,9 +74,7 @@ class RequestStates(dict[str, CachedRequestState]):
         for new in so.new_reqs:
             self._add(new)
         for rid, tokens in so.new_token_ids.items():
-            st = self[rid]
-            st.all_token_ids.extend(tokens)
-            st.output_token_ids.extend(tokens)
+            self[rid].all_token_ids.extend(tokens)
 
     def _add(self, new: NewRequestData) -> None:
         params = new.sampling_params
