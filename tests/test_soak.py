@@ -32,7 +32,7 @@ def per_request_state(app) -> dict[str, int]:
         + len(eng.scheduler.running)
         + len(eng.scheduler.swapped),
         "kv.requests": len(eng.kv.requests),
-        "async_engine.streams": len(aengine._streams),
+        "async_engine.streams": len(aengine.streams),
         "metrics.last": len(metrics._last),
     }
     runner = eng.executor.worker.runner

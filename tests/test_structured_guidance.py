@@ -32,7 +32,7 @@ def _run(llm, backend, constraints, **sp):
         sp = {"temperature": 0, "max_tokens": 120, **sp}
         params = [SamplingParams(structured_outputs=StructuredOutputsParams(**c), **sp) for c in constraints]
         outs = llm.generate([PROMPTS[i % 3] for i in range(len(params))], params, use_tqdm=False)
-        assert {p.structured_outputs._backend for p in params} == {backend if backend != "auto" else "guidance"}
+        assert {p.structured_outputs.resolved_backend for p in params} == {backend if backend != "auto" else "guidance"}
         return [o.outputs for o in outs]
     finally:
         llm.engine.structured.backend = "guidance"

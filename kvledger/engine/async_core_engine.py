@@ -44,7 +44,7 @@ class AsyncCoreEngine(StreamingFront):
         self.info: EngineInfo = clients[0].info  # type: ignore[assignment]
         self.tokenizer = tokenizer
         self.observer = observer
-        self._streams: dict[str, RequestStream] = {}
+        self.streams: dict[str, RequestStream] = {}
         self._engine_of: dict[str, int] = {}  # request id -> its core's index
         self._in_flight = [0] * len(clients)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -100,7 +100,7 @@ class AsyncCoreEngine(StreamingFront):
         core's InvalidRequestError: the checks are the engine's own, ``add_served_request``)."""
         if self._loop is None:
             self.start()
-        if request_id in self._streams:
+        if request_id in self.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
         if isinstance(prompt, str):
@@ -110,7 +110,7 @@ class AsyncCoreEngine(StreamingFront):
         idx = self.choose_engine(ids, request_id, params)
         stream = RequestStream(self, request_id, params.output_kind is RequestOutputKind.DELTA)  # type: ignore[arg-type]
         stream.prompt_token_ids, stream.prompt = ids, text
-        self._streams[request_id] = stream
+        self.streams[request_id] = stream
         self._engine_of[request_id] = idx
         self._in_flight[idx] += 1
         try:
@@ -165,7 +165,7 @@ class AsyncCoreEngine(StreamingFront):
                 loop.call_soon_threadsafe(fn, *args)
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
-        streams = self._streams
+        streams = self.streams
         for out in outs:
             stream = streams.get(out.request_id)
             if stream is None:
@@ -173,15 +173,15 @@ class AsyncCoreEngine(StreamingFront):
             out.prompt_token_ids, out.prompt = stream.prompt_token_ids, stream.prompt
             if out.finished:
                 self._release(out.request_id)
-            stream._put(out)
+            stream.put(out)
 
     def _fail(self, error: BaseException, index: int | None) -> None:
         """End the streams of core ``index`` (None: all) with ``error``."""
-        for rid, stream in list(self._streams.items()):
+        for rid, stream in list(self.streams.items()):
             if index is None or self._engine_of.get(rid) == index:
-                self._streams.pop(rid, None)
+                self.streams.pop(rid, None)
                 self._release(rid)
-                stream._fail(error)
+                stream.fail(error)
 
 
 def start_cores(configs: list[Any], torch_threads: int | None) -> tuple[list[EngineCoreClient], Any]:

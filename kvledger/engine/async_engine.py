@@ -58,7 +58,7 @@ class AsyncEngine(StreamingFront):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, RequestStream] = {}
+        self.streams: dict[str, RequestStream] = {}
         self.dead: BaseException | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -98,11 +98,11 @@ class AsyncEngine(StreamingFront):
     ) -> RequestStream:
         """Tokenize, validate and queue a request; raises InvalidRequestError before queueing
         (``add_served_request``)."""
-        if request_id in self._streams:
+        if request_id in self.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic()
         stream = RequestStream(self, request_id, params.output_kind is RequestOutputKind.DELTA)
-        self._streams[request_id] = stream
+        self.streams[request_id] = stream
 
         def add() -> list[int]:
             eng = self.engine
@@ -223,11 +223,11 @@ class AsyncEngine(StreamingFront):
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         for out in outs:
-            stream = self._streams.get(out.request_id)
+            stream = self.streams.get(out.request_id)
             if stream is not None:
-                stream._put(out)
+                stream.put(out)
 
     def _fail_all(self, error: BaseException) -> None:
-        streams, self._streams = self._streams, {}
+        streams, self.streams = self.streams, {}
         for stream in streams.values():
-            stream._fail(error)
+            stream.fail(error)

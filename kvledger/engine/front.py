@@ -79,14 +79,14 @@ class RequestStream:
         self._ready = asyncio.Event()
 
     # Called on the event loop by the owner.
-    def _put(self, out: RequestOutput) -> None:
+    def put(self, out: RequestOutput) -> None:
         if self.delta and self._latest is not None:
             self._latest.add(out, aggregate=True)
         else:
             self._latest = out
         self._ready.set()
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         self._error = error
         self._ready.set()
 
@@ -105,7 +105,7 @@ class RequestStream:
         out, self._latest = self._latest, None
         if out.finished:
             self.finished = True
-            self._owner._streams.pop(self.request_id, None)
+            self._owner.streams.pop(self.request_id, None)
         return out
 
     def abort(self) -> None:
@@ -119,7 +119,7 @@ class StreamingFront:
     """What both engine fronts share (``AsyncEngine`` and ``AsyncCoreEngine``): a request's
     updates as an async iterator over its ``RequestStream``, and ending that stream on abort."""
 
-    _streams: dict[str, RequestStream]
+    streams: dict[str, RequestStream]
 
     async def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
@@ -142,7 +142,7 @@ class StreamingFront:
         raise NotImplementedError
 
     def _end_stream(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
+        stream = self.streams.pop(request_id, None)
         if stream is not None:
             stream.finished = True
 

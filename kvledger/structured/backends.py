@@ -34,8 +34,8 @@ def resolve_backend(params: Any, backend: str) -> str:
     InvalidRequestError (400) naming the problem when none can. Remembered on the params."""
     if backend not in BACKENDS:
         raise InvalidRequestError(f"structured outputs backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    if params._backend is not None:
-        return params._backend
+    if params.resolved_backend is not None:
+        return params.resolved_backend
     if backend == "xgrammar" or (backend == "auto" and (params.xgrammar_error is None or params.disable_fallback)):
         if params.xgrammar_error is not None:
             raise InvalidRequestError(params.xgrammar_error)
@@ -49,7 +49,7 @@ def resolve_backend(params: Any, backend: str) -> str:
         except InvalidRequestError:
             raise InvalidRequestError(params.xgrammar_error) from None
         chosen = "guidance"
-    params._backend = chosen
+    params.resolved_backend = chosen
     return chosen
 
 
@@ -59,8 +59,8 @@ def guidance_grammar(params: Any) -> str:
         raise InvalidRequestError("the guidance backend needs the llguidance package (pip install llguidance)")
     import llguidance
 
-    if params._guidance is not None:
-        return params._guidance
+    if params.guidance_grammar is not None:
+        return params.guidance_grammar
     kind = params.kind
     try:
         if kind in ("json", "json_object"):
@@ -84,7 +84,7 @@ def guidance_grammar(params: Any) -> str:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise InvalidRequestError(f"invalid {kind} (guidance backend): {error}")
-    params._guidance = grammar
+    params.guidance_grammar = grammar
     return grammar
 
 

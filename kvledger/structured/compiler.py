@@ -41,7 +41,7 @@ class GrammarCompiler:
     def submit(self, params: StructuredOutputsParams) -> Future:
         """A future of the compiled grammar (a done one when the constraint is cached), by the
         backend the params were resolved to (xgrammar when not resolved)."""
-        key = (params._backend or "xgrammar", *params.key())
+        key = (params.resolved_backend or "xgrammar", *params.key())
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
@@ -59,7 +59,7 @@ class GrammarCompiler:
         return self.submit(params).result()
 
     def _compile(self, params: StructuredOutputsParams):
-        if params._backend == "guidance":
+        if params.resolved_backend == "guidance":
             return self._compile_guidance(params)
         if self._compiler is None:
             self._compiler = self._build()

@@ -48,8 +48,8 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None  # the guidance backend's (xgrammar has none)
     _grammar: Any = field(default=None, init=False, repr=False, compare=False)
     _xgrammar_error: str | None = field(default=None, init=False, repr=False, compare=False)
-    _guidance: str | None = field(default=None, init=False, repr=False, compare=False)
-    _backend: str | None = field(default=None, init=False, repr=False, compare=False)
+    guidance_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
+    resolved_backend: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.json is not None and hasattr(self.json, "model_json_schema"):
