@@ -30,6 +30,18 @@ from typing import Any
 
 from kvledger.sim.simulator import percentile
 
+
+def default_vllm_venv() -> Path:
+    """Where vLLM's own virtualenv lives: ``VLLM_VENV``, else ``bench_envs/vllm`` under kvledger's
+    cache directory (the native kernels' home, ``KVLEDGER_CACHE_DIR``), so the default exists on
+    any machine after ``bash benchmarks/setup_vllm_env.sh`` (the script applies the same rule)."""
+    if os.environ.get("VLLM_VENV"):
+        return Path(os.environ["VLLM_VENV"])
+    from kvledger import envs
+
+    return Path(envs.KVLEDGER_CACHE_DIR) / "bench_envs" / "vllm"
+
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_OUT = REPO_ROOT / "bench_out"
 

