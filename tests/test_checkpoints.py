@@ -201,3 +201,71 @@ def test_generate_from_a_hub_id_with_hf_hub_offline(stories_path, tmp_path):
     )  # fmt: skip
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "kvledger-test/absent" in r.stderr and "HF_HUB_OFFLINE" in r.stderr
+
+
+def _damage(stories_path: Path, dst: Path, case: str) -> str:
+    """A copy of the model folder with one file damaged; returns that file's name."""
+    shutil.copytree(stories_path, dst)
+    if case.startswith("sharded"):  # the single file split into an index and two shards
+        sd = load_file(dst / "model.safetensors")
+        names = sorted(sd)
+        half = len(names) // 2
+        save_file({n: sd[n] for n in names[:half]}, dst / "model-00001-of-00002.safetensors")
+        save_file({n: sd[n] for n in names[half:]}, dst / "model-00002-of-00002.safetensors")
+        wm = {n: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, n in enumerate(names)}
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+        (dst / "model.safetensors").unlink()
+    damage = {
+        "safetensors truncated": ("model.safetensors", lambda b: b[: len(b) // 2]),
+        "safetensors empty": ("model.safetensors", lambda b: b""),
+        "safetensors garbage": ("model.safetensors", lambda b: b"\x00not a tensor file\xff" * 8),
+        "sharded shard truncated": ("model-00002-of-00002.safetensors", lambda b: b[: len(b) - 100]),
+        "sharded index not json": ("model.safetensors.index.json", lambda b: b[:20]),
+        "config truncated": ("config.json", lambda b: b[: len(b) // 2]),
+        "generation config not json": ("generation_config.json", lambda b: b"{bad"),
+        "tokenizer.json truncated": ("tokenizer.json", lambda b: b[: len(b) // 2]),
+        "tokenizer_config not utf-8": ("tokenizer_config.json", lambda b: b"\xff\xfe{"),
+        "special_tokens_map truncated": ("special_tokens_map.json", lambda b: b[:5]),
+    }
+    name, fn = damage[case]
+    (dst / name).write_bytes(fn((dst / name).read_bytes()))
+    return name
+
+
+DAMAGE_CASES = [
+    "safetensors truncated", "safetensors empty", "safetensors garbage", "sharded shard truncated",
+    "sharded index not json", "config truncated", "generation config not json",
+    "tokenizer.json truncated", "tokenizer_config not utf-8", "special_tokens_map truncated",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DAMAGE_CASES)
+def test_a_damaged_file_is_one_error_naming_it(stories_path, tmp_path, capsys, case):
+    """LLM() raises ConfigError naming the damaged file; `kvledger generate` prints one error
+    line naming it (the CLI in process: the same code path as the console script)."""
+    from kvledger import LLM
+    from kvledger.cli import main
+
+    folder = tmp_path / "m"
+    name = _damage(stories_path, folder, case)
+    with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
+        LLM(str(folder))
+    capsys.readouterr()
+    assert main(["generate", str(folder), "--max-tokens", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and name in err[0] and err[0].startswith("kvledger: error:"), err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_truncated_weights_give_no_traceback_in_the_console_commands(stories_path, tmp_path, command):
+    folder = tmp_path / "m"
+    _damage(stories_path, folder, "safetensors truncated")
+    args = ["--max-tokens", "2"] if command == "generate" else ["--port", "0"]
+    r = subprocess.run(
+        [sys.executable, "-m", "kvledger", command, str(folder), *args],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    assert errors and "model.safetensors" in errors[-1], r.stderr[-2000:]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -76,6 +76,16 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     tokenizer_job = ThreadPoolExecutor(1, thread_name_prefix="kvledger-tok").submit(
         maybe_tokenizer, config.tokenizer or config.model
     )
+    try:
+        return _build(config, device, tokenizer_job)
+    except BaseException:
+        # The tokenizer thread may be inside `import transformers`: let it finish before the
+        # error reaches the caller, or a retry in this process meets a half-imported module.
+        wait([tokenizer_job])
+        raise
+
+
+def _build(config: EngineConfig, device: torch.device, tokenizer_job: Future) -> LLMEngine:
     free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     from kvledger.model.attention.triton_backend import resolve_attention_backend
 

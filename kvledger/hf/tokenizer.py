@@ -9,6 +9,7 @@ the import of these modules is free of it.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -18,18 +19,35 @@ logger = logging.getLogger("kvledger")
 
 BPE_CACHE_WHOLE_TEXT = 1_000
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 def load_tokenizer(path: str | Path):
     """The folder's own tokenizer (tokenizer.json etc.), never downloaded."""
     from transformers import AutoTokenizer
 
+    _check_json_files(Path(path))
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load the tokenizer from {path}: {e}") from e
+    except Exception as e:  # transformers and tokenizers raise many types for a damaged file
+        raise ConfigError(f"cannot load the tokenizer from {path}: {e}") from None
     bound_bpe_cache(tok)
     return tok
+
+
+def _check_json_files(folder: Path) -> None:
+    """A damaged tokenizer JSON file is named in the error (transformers' own message does
+    not say which of the folder's files it was reading)."""
+    if not folder.is_dir():
+        return
+    for name in _TOKENIZER_JSON:
+        f = folder / name
+        if not f.is_file():
+            continue
+        try:
+            json.loads(f.read_bytes())
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(f"{f} is not valid JSON: {e}") from None
 
 
 def maybe_tokenizer(path: str | Path):

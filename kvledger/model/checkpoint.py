@@ -47,8 +47,7 @@ class CheckpointReader:
     def _weight_files(path: Path) -> dict[str, Path]:
         single = path / "model.safetensors"
         if single.is_file():
-            with safe_open(single, framework="pt") as f:
-                return dict.fromkeys(f.keys(), single)
+            return dict.fromkeys(_open_safetensors(single).keys(), single)
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             index = path / index_name
             if index.is_file():
@@ -76,7 +75,7 @@ class CheckpointReader:
         handle = self._open.get(file)
         if handle is None:
             if file.suffix == ".safetensors":
-                handle = safe_open(file, framework="pt", device="cpu")
+                handle = _open_safetensors(file)
             else:
                 handle = _load_bin(file)
             self._open[file] = handle
@@ -84,7 +83,10 @@ class CheckpointReader:
             if name not in handle:
                 raise ConfigError(f"weight {name} is not in {file.name}")
             return handle[name]
-        return handle.get_tensor(name)
+        try:
+            return handle.get_tensor(name)
+        except Exception as e:  # a shard whose header lists the name but whose bytes are damaged
+            raise ConfigError(f"{file}: cannot read weight {name}: {e}") from None
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, FP8 weights multiplied out by their scale (per tensor, per output
@@ -120,6 +122,17 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._open.clear()
+
+
+def _open_safetensors(file: Path) -> Any:
+    """A memory-mapped safetensors file; a truncated, empty or foreign file is a one-line error
+    naming it (the library's own error says neither which file nor what to do)."""
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except Exception as e:
+        raise ConfigError(
+            f"{file} is not a readable safetensors file (truncated or damaged? download it again): {e}"
+        ) from None
 
 
 def _load_bin(file: Path) -> dict[str, torch.Tensor]:
