@@ -200,3 +200,48 @@ def test_simulate_html_plays_in_the_browser(browser, tmp_path):
     assert "frame 1 /" in page.inner_text("#frameinfo")
     assert not console_errors, console_errors
     page.close()
+
+
+def test_request_table_axes_and_capacity_card_read_right_at_1400px(browser, server):
+    """At 1,400 px the request table (long `cmpl-` ids) does not scroll sideways and no header
+    is cut; count axes tick at whole numbers; the capacity card compares requests with requests."""
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{server.url}/dashboard?key={KEY}")
+    stop, load_errors = threading.Event(), []
+    workers = [
+        threading.Thread(target=run_load, args=(server.url, stop, w, load_errors), daemon=True)
+        for w in range(8)
+    ]
+    for t in workers:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            next_frame(page)
+            got = page.evaluate(
+                "() => { const w = document.getElementById('reqwrap');"
+                " return {rows: document.querySelectorAll('#reqs tbody tr').length,"
+                "  wrap: [w.scrollWidth, w.clientWidth],"
+                "  heads: [...document.querySelectorAll('#reqs th')].map((h) => [h.textContent, h.scrollWidth, h.clientWidth]),"
+                "  title: (document.querySelector('#reqs tbody td') || {}).title || '',"
+                "  queues: JSON.parse(document.getElementById('c-queues').dataset.yticks),"
+                "  pre: JSON.parse(document.getElementById('c-pre').dataset.yticks) }; }"
+            )
+            if got["rows"] >= 4 or time.monotonic() > deadline:
+                break
+    finally:
+        stop.set()
+        for t in workers:
+            t.join(120)
+    assert not load_errors, load_errors
+    assert got["rows"] >= 4, got
+    assert got["wrap"][0] <= got["wrap"][1], f"the table scrolls sideways: {got['wrap']}"
+    cut = [h for h in got["heads"] if h[1] > h[2]]
+    assert not cut and len(got["heads"]) == 10, got["heads"]
+    assert got["title"].startswith("cmpl-") and len(got["title"]) > 16  # the whole id, on hover
+    for ticks in (got["queues"], got["pre"]):
+        assert ticks and all(re.fullmatch(r"\d+", t) for t in ticks), ticks
+    card = page.inner_text("#totals")
+    assert re.search(r"requests the pool holds\s+[\d,]+ paged / [\d,]+ naive", card), card
+    server.wait_idle()
+    page.close()

@@ -197,6 +197,8 @@ def test_totals_paged_vs_naive_sharing_and_quantisation_arithmetic():
     assert t["paged_utilization"] == 49 / 64
     assert t["naive_utilization"] == (40 + 33) / (2 * 128)  # the swapped request holds no slot
     assert t["naive_max_requests"] == 160 // 128 and t["resident_requests"] == 2
+    # Like with like: requests the pool holds paged, at the residents' mean of 4 / 2 blocks.
+    assert t["paged_max_requests"] == 10 * 2 // 4 and t["mean_resident_tokens"] == (40 + 33) / 2
     assert t["sharing_saved_blocks"] == 2 and t["sharing_saved_bytes"] == 3200
     assert t["quantization_gross_saved_bytes"] == 300 * 49
     assert t["quantization_saved_bytes"] == 300 * 49 - 1200

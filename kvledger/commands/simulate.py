@@ -36,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
         "(a + b*tokens + c*context + d*attended pairs, + swap bytes / bandwidth). "
         "Workload: --trace FILE.jsonl, or synthetic (--num-requests, --arrival-rate, "
         "--prompt-len, --output-len). Length distributions: N | a-b | lognormal:MEDIAN,SIGMA | "
-        "high-variance (90%% 16-64 / 10%% 256-512).",
+        "high-variance (90% 16-64 / 10% 256-512).",  # a description is not %-formatted
     )
     w = p.add_argument_group("workload")
     w.add_argument(

@@ -65,6 +65,12 @@ def totals(snap: LedgerSnapshot, max_model_len: int, reference_bytes_per_token: 
         "max_model_len": max_model_len,
         "resident_requests": len(resident),
         "naive_max_requests": pool_tokens // max_model_len,
+        # The same quantity paged: how many requests of the resident ones' mean footprint in
+        # device blocks (shared blocks counted once, as the pool holds them) the pool holds.
+        "paged_max_requests": snap.total_blocks * len(resident) // snap.used_blocks
+        if resident and snap.used_blocks
+        else None,
+        "mean_resident_tokens": naive_tokens / len(resident) if resident else None,
         "sharing_saved_blocks": saved_blocks,
         "sharing_saved_bytes": saved_blocks * bpb,
         "prefix_cache_hit_tokens": snap.prefix_cache_hits,
