@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -374,19 +375,38 @@ def run(args: argparse.Namespace) -> int:
 
     log.info("front end: %d start-up objects frozen out of the garbage collector", freeze_gc_heap())
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            access_log=not args.disable_uvicorn_access_log,
-            root_path=args.root_path or "",
-            ssl_keyfile=args.ssl_keyfile,
-            ssl_certfile=args.ssl_certfile,
-            ssl_ca_certs=args.ssl_ca_certs,
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        )
+        _server(
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                root_path=args.root_path or "",
+                ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile,
+                ssl_ca_certs=args.ssl_ca_certs,
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            ),
+            on_exit=getattr(engine, "mark_stopping", None),
+        ).run()
     finally:
         if isinstance(engine, AsyncCoreEngine):
             engine.shutdown()  # idempotent: also when uvicorn never started (port taken)
     return 0
+
+
+
+def _server(config: Any, on_exit: Callable[[], None] | None) -> Any:
+    """uvicorn's server, telling the engine cores the stop was asked for the moment SIGINT or
+    SIGTERM reaches the front end: a core in the same process group may exit on the same
+    signal before the lifespan shutdown runs, and that is not a crash to log as an error."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if on_exit is not None:
+                on_exit()
+            super().handle_exit(sig, frame)
+
+    return Server(config)

@@ -72,6 +72,11 @@ class AsyncCoreEngine(StreamingFront):
         for c in self.clients:
             c.start(self._loop, self._on_outputs, self._on_dead)
 
+    def mark_stopping(self) -> None:
+        """The server was asked to stop: the cores' exits that follow are not crashes."""
+        for c in self.clients:
+            c.mark_stopping()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every core (each aborts its requests), end every stream."""
         for c in self.clients:

@@ -43,6 +43,9 @@ from kvledger.errors import EngineDeadError, KVLedgerError
 from kvledger.outputs import RequestOutput
 
 logger = logging.getLogger("kvledger")
+# How long a core's clean exit waits for the server's own stop to be seen before it is
+# reported as a core stopped alone.
+STOP_GRACE_S = 3.0
 
 
 def _start_method() -> str:
@@ -80,6 +83,9 @@ class EngineCoreClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._stop_reader = threading.Event()
+        # Set when the server was asked to stop (a signal to the front end, or shutdown()): a
+        # core that exits then is the requested stop, logged at INFO, not a crash.
+        self._stopping = threading.Event()
         self._lock = threading.Lock()  # pending acks and queries: loop thread vs reader
         self._acks: dict[str, asyncio.Future] = {}
         self._queries: dict[int, asyncio.Future] = {}
@@ -161,8 +167,14 @@ class EngineCoreClient:
         return await fut
 
     # -- shutdown -------------------------------------------------------------------------------
+    def mark_stopping(self) -> None:
+        """The server is stopping: the core's exit from now on is expected (the front end's
+        signal handler calls this before the core, in the same process group, may exit)."""
+        self._stopping.set()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to abort everything and exit; kill it if it does not."""
+        self._stopping.set()
         if self.proc.is_alive() and self.dead is None:
             with contextlib.suppress(zmq.ZMQError):
                 self._in.send_multipart([wire.SHUTDOWN, b""])
@@ -203,15 +215,7 @@ class EngineCoreClient:
                 elif self.proc.sentinel in events:
                     if not self._stop_reader.is_set():
                         self.proc.join(1)  # reap it, for its exit code
-                        code = self.proc.exitcode
-                        if code is not None and -code in (signal.SIGTERM, signal.SIGINT):
-                            # Stopped from outside: most often with the front end, by a kill of
-                            # the whole process group (systemd's default); not a crash.
-                            name = signal.Signals(-code).name
-                            err = EngineDeadError(f"the engine core process was stopped by {name}")
-                            self._died(err, logging.WARNING)
-                        else:
-                            self._died(EngineDeadError(f"the engine core process exited (code {code})"))
+                        self._core_exited(self.proc.exitcode)
                     return
         except zmq.ZMQError:  # closed under us at shutdown
             return
@@ -232,6 +236,26 @@ class EngineCoreClient:
         elif kind == wire.DEAD:
             err = wire.load(body)
             self._died(EngineDeadError(f"engine is not running: {err}"))
+
+    def _core_exited(self, code: int | None) -> None:
+        """The core process ended. Its requests fail at once; the log line says whether that was
+        the requested stop (INFO: the server is stopping, e.g. Ctrl-C or systemd's SIGTERM to the
+        process group, where the core may exit a moment before the front end's handler runs),
+        a stop from outside of the core alone (WARNING), or a crash (ERROR)."""
+        signalled = code is not None and -code in (signal.SIGTERM, signal.SIGINT)
+        if signalled:
+            err = EngineDeadError(f"the engine core process was stopped by {signal.Signals(-code).name}")
+        else:
+            err = EngineDeadError(f"the engine core process exited (code {code})")
+        self._mark_dead(err)
+        if self._on_dead is not None:
+            self._on_dead(self.index, err)
+        # None: shutdown() reaped the process first (its join runs in another thread).
+        if (signalled or code in (0, None)) and self._stopping.wait(STOP_GRACE_S):
+            logger.info("engine core %d stopped with the server", self.index)
+        else:
+            level = logging.WARNING if signalled else logging.ERROR
+            logger.log(level, "engine core %d is dead: %s", self.index, err)
 
     def _died(self, err: BaseException, level: int = logging.ERROR) -> None:
         logger.log(level, "engine core %d is dead: %s", self.index, err)

@@ -1,0 +1,103 @@
+"""What a new user does in the first hour, against a real `kvledger serve` on the embedded
+default with the real `openai` client: chat works as the README shows, a requested shutdown is
+not an error, and tools built for vLLM (its random-token prompts) run unchanged."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import openai
+import pytest
+from test_server import ServerProcess
+
+from kvledger.model.default import embedded_model_path
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    s = ServerProcess("--torch-threads", "1", log_path=tmp_path_factory.mktemp("first") / "serve.log")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_chat_on_the_embedded_default_continues_the_story(default_server):
+    from kvledger import LLM, SamplingParams
+
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="x", max_retries=0)
+    messages = [
+        {"role": "system", "content": "Once upon a time"},
+        {"role": "user", "content": "there was a dog named Max."},
+    ]
+    r = client.chat.completions.create(model="stories260k", messages=messages, max_tokens=24, temperature=0)
+    text = r.choices[0].message.content
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="stories260k", messages=messages, max_tokens=24, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert text and streamed == text
+    # The shipped template tells the conversation as one story: the same tokens as completing
+    # the joined text (BOS once), offline and served.
+    llm_out = LLM(str(embedded_model_path())).generate(
+        ["Once upon a time there was a dog named Max."], SamplingParams(max_tokens=24, temperature=0),
+        use_tqdm=False,
+    )[0]
+    assert llm_out.outputs[0].text == text
+    assert r.usage.prompt_tokens == len(llm_out.prompt_token_ids)
+
+
+def _core_pids(pid: int) -> list[int]:
+    return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
+@pytest.mark.parametrize(
+    "args,how",
+    [
+        ((), "SIGINT to the server"),
+        ((), "SIGINT to the process group"),  # Ctrl-C in a terminal
+        (("-dp", "2"), "SIGTERM to the process group"),  # systemd's stop
+        (("-dp", "2"), "SIGTERM to the server"),
+    ],
+)
+def test_a_requested_stop_logs_no_error(tmp_path, args, how):
+    s = ServerProcess("--torch-threads", "1", "--no-dashboard", *args,
+                      log_path=tmp_path / "serve.log", new_session=True)  # fmt: skip
+    try:
+        s.wait_ready()
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+        client.completions.create(model="stories260k", prompt="Tom", max_tokens=4)
+        sig = signal.SIGINT if "SIGINT" in how else signal.SIGTERM
+        if "group" in how:
+            os.killpg(s.proc.pid, sig)
+        else:
+            s.proc.send_signal(sig)
+        assert s.proc.wait(60) in (0, 128 + sig, -sig)  # uvicorn re-raises the signal it handled
+        log = s.log()
+        assert "ERROR" not in log and "WARNING" not in log and "Traceback" not in log, log
+        assert "is dead" not in log, log
+    finally:
+        if s.proc.poll() is None:
+            os.killpg(s.proc.pid, signal.SIGKILL)
+        s.stop()
+
+
+def test_a_core_that_crashes_is_still_an_error(tmp_path):
+    s = ServerProcess("--torch-threads", "1", "--no-dashboard", log_path=tmp_path / "serve.log")
+    try:
+        s.wait_ready()
+        (core,) = _core_pids(s.proc.pid)
+        os.kill(core, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while "ERROR" not in (log := s.log()):
+            assert time.monotonic() < deadline, log
+            time.sleep(0.1)
+        assert "engine core 0 is dead: the engine core process exited (code -9)" in log, log
+    finally:
+        s.stop()
