@@ -5,7 +5,10 @@ not an error, and tools built for vLLM (its random-token prompts) run unchanged.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 
 import openai
@@ -101,3 +104,21 @@ def test_a_core_that_crashes_is_still_an_error(tmp_path):
         assert "engine core 0 is dead: the engine core process exited (code -9)" in log, log
     finally:
         s.stop()
+
+
+def test_the_first_start_says_it_compiles_and_how_long_it_took(tmp_path):
+    """A fresh cache: `kvledger generate` says it is compiling, then the time; the next start
+    (cached) says nothing about it."""
+    from kvledger.kernels import native_build
+
+    if native_build.selected_isa() is None:
+        pytest.skip("no native kernels on this machine (no AVX2 or KVLEDGER_NATIVE=0)")
+    env = {**os.environ, "KVLEDGER_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "kvledger", "generate", "--max-tokens", "2"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    lines = [ln for ln in first.stderr.splitlines() if "native CPU kernels" in ln]
+    assert len(lines) == 2 and "compiling" in lines[0] and str(tmp_path / "cache") in lines[0], lines
+    assert re.search(r"compiled in \d+\.\d s$", lines[1]), lines
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0 and "native CPU kernels" not in second.stderr, second.stderr

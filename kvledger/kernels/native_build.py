@@ -26,7 +26,9 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from kvledger import envs
@@ -108,6 +110,8 @@ def build(cc: str | None = None, out_dir: Path | None = None, isa: str = "avx2")
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    _notice(f"compiling kvledger's native CPU kernels ({isa}; once per CPU, cached in {out_dir}) ...")
     with tempfile.TemporaryDirectory(dir=out_dir) as work:
         # One compiler per source, in parallel (the first start on a machine waits for this).
         objects = [os.path.join(work, f"{p.stem}.o") for p in sources]
@@ -130,7 +134,18 @@ def build(cc: str | None = None, out_dir: Path | None = None, isa: str = "avx2")
         tmp = os.path.join(work, "lib.so")
         subprocess.run([cc_path, *flags, "-o", tmp, *objects, "-lm"], check=True, capture_output=True, timeout=300)
         os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
+    _notice(f"native CPU kernels compiled in {time.monotonic() - t0:.1f} s")
     return target
+
+
+def _notice(message: str) -> None:
+    """INFO through logging where the application configured it (``kvledger serve``); else on
+    stderr, so that the first start's wait for the compiler is never silent (vLLM, too, logs
+    INFO to stderr by default)."""
+    if logging.getLogger().handlers or logger.handlers:
+        logger.info(message)
+    else:
+        print(f"INFO kvledger: {message}", file=sys.stderr, flush=True)
 
 
 def _supported_cpu() -> bool:
