@@ -122,3 +122,52 @@ def test_the_first_start_says_it_compiles_and_how_long_it_took(tmp_path):
     assert re.search(r"compiled in \d+\.\d s$", lines[1]), lines
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "native CPU kernels" not in second.stderr, second.stderr
+
+
+def test_nul_and_vllm_random_dataset_prompts_are_served(default_server):
+    """vLLM's `bench serve --dataset-name random` decodes random token ids into prompt text,
+    which holds U+0000 whenever the byte-fallback token <0x00> is drawn: served like any text."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_path()))
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="x", max_retries=0)
+    r = client.completions.create(model="stories260k", prompt="Tom\x00 had", max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == len(tok("Tom\x00 had").input_ids)
+    rng = random.Random(0)
+    prompts = [tok.decode([rng.randrange(3, tok.vocab_size) for _ in range(16)]) for _ in range(40)]
+    prompts.append(tok.decode([3, 100, 3]))  # <0x00> drawn: the case vLLM's client hit
+    assert any("\x00" in p for p in prompts)
+    for p in prompts:
+        out = client.completions.create(model="stories260k", prompt=p, max_tokens=2)
+        assert out.choices[0].finish_reason in ("length", "stop")
+    chat = client.chat.completions.create(
+        model="stories260k", messages=[{"role": "user", "content": "a\x00b"}], max_tokens=2
+    )
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+def test_openai_fields_without_effect_are_accepted_with_one_warning(default_server):
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="x", max_retries=0)
+    kw = dict(model="stories260k", messages=[{"role": "user", "content": "Tom"}], max_tokens=4, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    for _ in range(2):
+        r = client.chat.completions.create(
+            **kw, store=True, metadata={"team": "a"}, service_tier="auto", user="u1",
+            verbosity="low", parallel_tool_calls=False,
+        )  # fmt: skip
+        assert r.choices[0].message.content == plain  # without effect, as said
+    log = default_server.log()
+    for name in ("store", "metadata", "verbosity"):
+        assert log.count(f"request field '{name}' accepted and ignored") == 1, log
+    with pytest.raises(openai.BadRequestError, match="store must be of type bool"):
+        client.chat.completions.create(**kw, extra_body={"store": "yes"})
+
+
+def test_the_ledger_has_no_utilization_when_nothing_is_stored(default_server):
+    import httpx
+
+    default_server.wait_idle()
+    led = httpx.get(f"{default_server.url}/v1/ledger").json()
+    assert led["used_blocks"] == 0 and led["utilization"] is None

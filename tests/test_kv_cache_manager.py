@@ -598,4 +598,5 @@ def test_ledger_figures_by_hand():
 def test_empty_ledger():
     snap = _manager().ledger()
     assert (snap.used_blocks, snap.free_blocks, snap.cached_blocks) == (0, 16, 0)
-    assert snap.utilization == 1.0 and snap.usage == 0.0 and snap.tokens_stored == 0
+    # No used block: no slot to be filled, so no ratio (1.0 read as 'full' to a reader).
+    assert snap.utilization is None and snap.usage == 0.0 and snap.tokens_stored == 0

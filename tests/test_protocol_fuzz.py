@@ -89,10 +89,10 @@ def test_completion_bodies_fail_only_as_client_errors(body):
     for p in req.prompts():
         if isinstance(p, str):
             p.encode("utf-8")  # no lone surrogate got through
-            assert "\x00" not in p
         else:
-            assert p and all(0 <= t < 2**63 for t in p)
+            assert p and all(0 <= t < 2**63 and not isinstance(t, bool) for t in p)
     assert params.seed is None or -(2**63) <= params.seed < 2**63
+    assert not any(isinstance(getattr(params, f), bool) for f in ("n", "max_tokens", "seed", "top_k"))
 
 
 @_SETTINGS
@@ -107,4 +107,3 @@ def test_chat_bodies_fail_only_as_client_errors(body):
     _check_nothing_dropped(body, ChatCompletionRequest, params)
     for m in conv:
         m["content"].encode("utf-8")
-        assert "\x00" not in m["content"]

@@ -77,15 +77,21 @@ def _bodies() -> list[tuple[str, str | bytes]]:
         (c, b"{'prompt': 'x'}"), (c, b'{"prompt": "x",}'), (c, b"\xff\xfe\x00"),
         (c, b"[" * 50_000 + b"]" * 50_000), (c, b'{"prompt": "x", "temperature": NaN}'),
         (c, b'{"prompt": "x", "temperature": 1e400}'),
-        (c, b'{"prompt": "\\ud800"}'), (c, b'{"prompt": "a\\u0000b"}'),
+        (c, b'{"prompt": "\\ud800"}'), (c, b'{"prompt": "a", "guided_regex": "a\\u0000b"}'),
         (c, b'{"prompt": "x", "stop": ["\\udfff"]}'), (ch, b'{"messages": [{"role": "user", '
                                                       b'"content": "\\ud83d"}]}'),
-        (c, b'{"prompt": "x", "user": "\\u0000"}'),
+        (c, b'{"prompt": "x", "structured_outputs": {"regex": "\\u0000"}}'),
     ]  # fmt: skip
     typed = [
         comp(prompt=5), comp(prompt={"a": 1}), comp(prompt=[1.5]), comp(prompt=[[1, "a"]]),
         comp(max_tokens="ten"), comp(max_tokens=1.5), comp(n="two"), comp(temperature="hot"),
         comp(stop=5), comp(stop=[1]), comp(seed="x"), comp(seed=1.5), comp(stream="maybe"),
+        # booleans are not numbers (pydantic would read true as 1), nor NaN a bias, nor "" a stop
+        comp(prompt=[True, False]), comp(max_tokens=True), comp(n=True), comp(seed=False),
+        comp(logprobs=True), comp(top_k=True), comp(temperature=True), comp(stop_token_ids=[True]),
+        comp(logit_bias={"5": float("nan")}), comp(logit_bias={"5": float("inf")}),
+        comp(logit_bias={"5": True}), comp(stop=""), chat(max_completion_tokens=True),
+        chat(top_logprobs=True, logprobs=True), chat(store="yes"), chat(metadata=["a"]),
     ]  # fmt: skip
     ranges = [
         comp(seed=2**70), comp(seed=-(2**70)), comp(n=10**6), comp(n=0), comp(n=-1),

@@ -462,7 +462,7 @@ class KVCacheManager:
             bytes_per_block=self.bytes_per_block,
             tokens_stored=tokens_stored,
             shared_blocks=shared_blocks,
-            utilization=tokens_stored / (used * bs) if used else 1.0,
+            utilization=tokens_stored / (used * bs) if used else None,  # no slot: no ratio
             usage=used / self.pool.num_blocks,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,

@@ -68,7 +68,7 @@ def sum_ledgers(parts: list[dict[str, Any]]) -> dict[str, Any]:
         total["usage"] = total["used_blocks"] / total["total_blocks"]
     slots = total.get("used_blocks", 0) * total.get("block_size", 0)
     if "utilization" in total:
-        total["utilization"] = total["tokens_stored"] / slots if slots else 1.0
+        total["utilization"] = total["tokens_stored"] / slots if slots else None
     return total
 
 

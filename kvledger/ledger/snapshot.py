@@ -32,7 +32,7 @@ class LedgerSnapshot:
     bytes_per_block: int
     tokens_stored: int
     shared_blocks: int  # used blocks with more than one holder
-    utilization: float  # tokens stored / token slots of used blocks
+    utilization: float | None  # tokens stored / token slots of used blocks; None: no block used
     usage: float  # used blocks / total blocks (vLLM's kv_cache_usage_perc)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

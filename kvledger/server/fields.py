@@ -8,12 +8,15 @@ by deleting its row and declaring the field where it is honoured.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
 from kvledger.errors import InvalidRequestError
 from kvledger.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvledger.server")
 
 
 class FieldError(InvalidRequestError):
@@ -104,10 +107,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "vllm_xargs": ((None, {}), "no extension takes extra arguments"),
     "stream_interval": ((None, 1), "every step's output is streamed"),
     "session_id": ((None,), "sessions are not implemented"),
-    "store": ((None, False), "this server stores no completions"),
-    "metadata": ((None, {}), "this server stores no completions"),
-    "service_tier": ((None, "auto", "default"), "this server has one service tier"),
-    "verbosity": ((None,), "not implemented"),
     # SGLang's extensions, which sglang-router writes into every request it forwards, at these
     # values unless its client set them: accepted there, refused otherwise.
     "no_stop_trim": ((None, False), "stop strings are always trimmed"),
@@ -120,6 +119,33 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 # Accepted and deliberately without effect on the output (OpenAI's own semantics).
 ACCEPTED_NO_EFFECT = frozenset({"user", "safety_identifier", "prompt_cache_key"})
+
+# OpenAI fields a client library may send with every request that change nothing generated
+# here: accepted, with one warning per field and process (vLLM accepts such fields and logs
+# them as ignored), so that such a client works; the value's type is still checked.
+ACCEPTED_WITH_WARNING: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "store": (bool, "this server stores no completions"),
+    "metadata": (dict, "this server stores no completions"),
+    "service_tier": (str, "this server has one service tier"),
+    "verbosity": (str, "the output's length is set by max_tokens and the model"),
+}
+_warned: set[str] = set()
+
+
+def is_numeric(annotation: Any) -> bool:
+    """An int or float field (or a list of them) that pydantic would fill from a boolean."""
+    text = str(annotation)
+    return ("int" in text or "float" in text) and "bool" not in text
+
+
+def has_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, list):
+        return any(has_bool(v) for v in value)
+    if isinstance(value, dict):
+        return any(has_bool(v) for v in value.values())
+    return False
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -139,6 +165,8 @@ def check_extra_fields(extra: dict[str, Any]) -> dict[str, Any]:
                 continue
             if name not in params:
                 raise FieldError(f"{name} is not supported by this server", param=name)
+            if is_numeric(SAMPLING_FIELDS[name]) and has_bool(value):
+                raise FieldError(f"{name} must be a number, not a boolean", param=name)
             try:
                 forward[name] = TypeAdapter(SAMPLING_FIELDS[name]).validate_python(value)
             except ValidationError as e:
@@ -148,6 +176,13 @@ def check_extra_fields(extra: dict[str, Any]) -> dict[str, Any]:
             neutral, why = REFUSED[name]
             if not _is_neutral(value, neutral):
                 raise FieldError(f"{name} is not supported: {why}", param=name)
+        elif name in ACCEPTED_WITH_WARNING:
+            kind, why = ACCEPTED_WITH_WARNING[name]
+            if value is not None and not isinstance(value, kind):
+                raise FieldError(f"{name} must be of type {kind.__name__}", param=name)
+            if value is not None and name not in _warned:
+                _warned.add(name)
+                logger.warning("request field %r accepted and ignored: %s", name, why)
         elif name in ACCEPTED_NO_EFFECT:
             if value is not None and not isinstance(value, str):
                 raise FieldError(f"{name} must be a string", param=name)

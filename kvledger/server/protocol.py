@@ -3,13 +3,16 @@
 
 No field is silently dropped: a field these models do not declare is forwarded to
 SamplingParams or refused with a 400 naming it (kvledger/server/fields.py). Strings with lone
-surrogates or NUL characters, non-finite numbers and integers beyond 64 bits are 400s here,
-before any of them reaches the tokenizer or the sampler.
+surrogates, non-finite numbers, booleans where numbers belong and integers beyond 64 bits are
+400s here, before any of them reaches the tokenizer or the sampler. NUL (U+0000) is valid text
+(a byte-fallback token; vLLM's random benchmark prompts hold it) except in the fields compiled
+into grammars.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Annotated, Any, Literal
 
@@ -17,7 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvledger.errors import InvalidRequestError
 from kvledger.sampling_params import SamplingParams
-from kvledger.server.fields import FieldError, check_extra_fields, refuse_extra_fields
+from kvledger.server.fields import (
+    FieldError,
+    check_extra_fields,
+    has_bool,
+    is_numeric,
+    refuse_extra_fields,
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -26,13 +35,18 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 _MAX_DEPTH = 32  # nesting a request can need (a chat message's content parts is 4 deep)
 
 
+# Fields whose text is compiled into a grammar or schema by a C/C++ library: no NUL there.
+_GRAMMAR_FIELDS = ("guided_", "structured_outputs", "response_format", "tools", "tool_choice")
+
+
 def _check_strings(value: Any, path: str, depth: int = 0) -> None:
-    """Refuse text no tokenizer can take: lone UTF-16 surrogates (invalid Unicode) and NUL."""
+    """Refuse text no tokenizer can take (lone UTF-16 surrogates: invalid Unicode), and NUL
+    in grammar fields."""
     if depth > _MAX_DEPTH:
         raise FieldError(f"{path or 'body'} is nested too deeply", param=path or None)
     if isinstance(value, str):
-        if "\x00" in value:
-            raise FieldError(f"{path} contains a NUL character", param=path)
+        if "\x00" in value and path.startswith(_GRAMMAR_FIELDS):
+            raise FieldError(f"{path} contains a NUL character (not allowed in a grammar)", param=path)
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
@@ -57,6 +71,11 @@ class _Request(BaseModel):
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
         _check_strings(data, "")
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if field is not None and is_numeric(field.annotation) and has_bool(value):
+                    raise FieldError(f"{name} must be a number, not a boolean", param=name)
         return data
 
 
@@ -125,7 +144,7 @@ class _SamplingFields(_Request):
                 seed=self.seed,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
-                stop=self.stop or [],
+                stop=[] if self.stop is None else self.stop,  # "" is [""]: refused, as vLLM
                 stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
@@ -152,6 +171,8 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
             raise FieldError(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
         if not 0 <= tid <= INT64_MAX:
             raise FieldError(f"logit_bias token id {tid} is out of range", "logit_bias")
+        if isinstance(v, bool) or not math.isfinite(v):  # NaN would clamp to -100 silently
+            raise FieldError(f"logit_bias[{k!r}] must be a finite number, got {v!r}", "logit_bias")
         out[tid] = min(100.0, max(-100.0, v))
     return out
 
