@@ -56,3 +56,44 @@ def test_two_replicas_cache_aware_ledger_and_a_dead_replica(tmp_path):
         assert [r["alive"] for r in led["replicas"]] == [holder == 1, holder == 0]
     finally:
         srv.stop()
+
+
+def test_dp2_reports_itself_per_engine(tmp_path):
+    """-dp 2: vLLM's request-level series are labelled by the engine that served each request
+    (their sums are the requests sent), /server_info says dp_size 2, /get_load lists both ranks."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    srv = ServerProcess("--torch-threads", "1", "-dp", "2", log_path=tmp_path / "dp.log")
+    try:
+        srv.wait_ready()
+        client = srv.client()
+
+        def one(i: int):
+            return client.completions.create(model="stories260k", prompt=f"Tom had {i} dogs", max_tokens=12,
+                                             temperature=0, extra_body={"ignore_eos": True})
+
+        with ThreadPoolExecutor(8) as ex:
+            outs = list(ex.map(one, range(16)))
+        srv.wait_idle()
+        metrics = httpx.get(f"{srv.url}/metrics").text
+
+        def per_engine(series: str) -> dict[str, float]:
+            pat = rf'^{re.escape(series)}\{{(?:[^}}]*,)?engine="(\d)"[^}}]*\}} (\S+)$'
+            got: dict[str, float] = {}
+            for m in re.finditer(pat, metrics, re.M):
+                got[m.group(1)] = got.get(m.group(1), 0.0) + float(m.group(2))
+            return got
+
+        success = per_engine("vllm:request_success_total")
+        assert sum(success.values()) == 16 and set(success) == {"0", "1"}, success
+        assert all(v > 0 for v in success.values()), success  # both engines served some
+        prompt = per_engine("vllm:prompt_tokens_total")
+        assert sum(prompt.values()) == sum(o.usage.prompt_tokens for o in outs), prompt
+        e2e = per_engine("vllm:e2e_request_latency_seconds_count")
+        assert e2e == success, (e2e, success)
+        assert httpx.get(f"{srv.url}/server_info").json()["dp_size"] == 2
+        load = httpx.get(f"{srv.url}/get_load").json()
+        assert [x["dp_rank"] for x in load] == [0, 1] and all(x["num_reqs"] == 0 for x in load), load
+    finally:
+        srv.stop()

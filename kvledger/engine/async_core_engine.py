@@ -124,7 +124,7 @@ class AsyncCoreEngine(StreamingFront):
             self.abort(request_id)
             raise
         if self.observer is not None:
-            self.observer.on_request_added(len(ids))
+            self.observer.on_request_added(len(ids), idx)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -156,7 +156,7 @@ class AsyncCoreEngine(StreamingFront):
 
     def _on_outputs(self, index: int, outs: list[RequestOutput]) -> None:  # reader thread
         if self.observer is not None:
-            self.observer.on_outputs(outs)
+            self.observer.on_outputs(outs, index)
         self._post(self._dispatch, outs)
 
     def _on_dead(self, index: int, error: BaseException) -> None:  # reader thread

@@ -12,6 +12,8 @@ through the engine thread (AsyncEngine's observer hooks).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -31,7 +33,18 @@ VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7
 VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                         50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
-ENGINE_INDEX = "0"  # vLLM's ``engine`` label: kvledger runs one engine per server
+ENGINE_INDEX = "0"  # vLLM's ``engine`` label of a single-engine server (with -dp N: 0..N-1)
+
+
+@dataclass
+class _EngineSeries:
+    """One engine's children of vLLM's request-level series."""
+
+    prompt_tokens: Any
+    success: dict[str, Any]
+    ttft: Any
+    itl: Any
+    e2e: Any
 
 
 class _EngineCollector:
@@ -202,47 +215,63 @@ class ServerMetrics:
         self._render_lock = threading.Lock()
 
     def _vllm_request_metrics(self) -> None:
-        labels, values = ["model_name", "engine"], [self.model_name, ENGINE_INDEX]
-        reg = self.registry
-        self.v_prompt_tokens = Counter(
+        """vLLM's request-level series, labelled by the engine (data-parallel rank) that served
+        each request: its children are made per engine on first use."""
+        labels, reg = ["model_name", "engine"], self.registry
+        self._v_prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=reg
-        ).labels(*values)
-        success = Counter(
+        )
+        self._v_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             [*labels, "finished_reason"],
             registry=reg,
         )
-        self.v_success = {r: success.labels(*values, r) for r in VLLM_FINISH_REASONS}
-        self.v_ttft = Histogram(
+        self._v_ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
             labels,
             buckets=VLLM_TTFT_BUCKETS,
             registry=reg,
-        ).labels(*values)
-        self.v_itl = Histogram(
+        )
+        self._v_itl = Histogram(
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
             labels,
             buckets=VLLM_ITL_BUCKETS,
             registry=reg,
-        ).labels(*values)
-        self.v_e2e = Histogram(
+        )
+        self._v_e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             labels,
             buckets=VLLM_LATENCY_BUCKETS,
             registry=reg,
-        ).labels(*values)
+        )
+        self._v_engines: dict[int, _EngineSeries] = {}
+        self._v(int(ENGINE_INDEX))  # engine 0's series exist (at zero) before any request
+
+    def _v(self, engine_index: int) -> _EngineSeries:
+        series = self._v_engines.get(engine_index)
+        if series is None:
+            values = (self.model_name, str(engine_index))
+            series = self._v_engines[engine_index] = _EngineSeries(
+                prompt_tokens=self._v_prompt_tokens.labels(*values),
+                success={r: self._v_success.labels(*values, r) for r in VLLM_FINISH_REASONS},
+                ttft=self._v_ttft.labels(*values),
+                itl=self._v_itl.labels(*values),
+                e2e=self._v_e2e.labels(*values),
+            )
+        return series
 
     # -- AsyncEngine observer (engine thread) ------------------------------------------------
-    def on_request_added(self, num_prompt_tokens: int) -> None:
+    def on_request_added(self, num_prompt_tokens: int, engine_index: int = 0) -> None:
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
-        self.v_prompt_tokens.inc(num_prompt_tokens)
+        self._v(engine_index).prompt_tokens.inc(num_prompt_tokens)
 
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+    def on_outputs(self, outputs: list[RequestOutput], engine_index: int = 0) -> None:
         m = self.model_name
+        v = self._v(engine_index)
         for out in outputs:
             met = out.metrics
             num_tokens = met.num_generation_tokens if met is not None else 0  # outputs may be deltas
@@ -251,21 +280,21 @@ class ServerMetrics:
                 if prev is None:
                     if met.first_token_time is not None:
                         self.ttft.labels(m).observe(met.first_token_time - met.arrival_time)
-                        self.v_ttft.observe(met.first_token_time - met.arrival_time)
+                        v.ttft.observe(met.first_token_time - met.arrival_time)
                 elif num_tokens > prev[0]:
                     self.itl.labels(m).observe(met.last_token_time - prev[1])
-                    self.v_itl.observe(met.last_token_time - prev[1])
+                    v.itl.observe(met.last_token_time - prev[1])
                 self._last[out.request_id] = (num_tokens, met.last_token_time)
             if out.finished:
                 self._last.pop(out.request_id, None)
                 for c in out.outputs:
                     self.request_success.labels(m, c.finish_reason or "abort").inc()
-                    reason = c.finish_reason if c.finish_reason in self.v_success else "abort"
-                    self.v_success[reason].inc()
+                    reason = c.finish_reason if c.finish_reason in v.success else "abort"
+                    v.success[reason].inc()
                 if met is not None:
                     end = met.finished_time or met.last_token_time
                     if end is not None:
-                        self.v_e2e.observe(end - met.arrival_time)
+                        v.e2e.observe(end - met.arrival_time)
 
     # -- scrape ----------------------------------------------------------------------------
     def render(self, state: EngineStats | list[EngineStats]) -> bytes:
