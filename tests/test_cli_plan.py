@@ -54,8 +54,30 @@ def test_plan_tp2_shows_whole_model_and_per_rank_figures():
 
 
 def test_plan_defaults_pick_the_smallest_tp_that_fits():
-    f = json.loads(kvledger("plan", "--json").stdout)
+    f = json.loads(kvledger("plan", "--model", "seed-70b", "--json").stdout)
     assert (f["model"], f["tp"], f["bytes_per_token"]) == ("seed-70b", 2, 163_840)
+
+
+def test_plan_with_no_model_plans_the_model_generate_runs_and_names_it():
+    """No --model: the embedded stories260k (what `kvledger generate` just ran), by the name it
+    is served under too: 5 layers x 4 KV heads x 8 dims x 2 (K, V) x 4 bytes (float32)."""
+    default = json.loads(kvledger("plan", "--json").stdout)
+    named = json.loads(kvledger("plan", "--model", "stories260k", "--json").stdout)
+    assert default == named and default["bytes_per_token"] == 2 * 5 * 4 * 8 * 4 and default["tp"] == 1
+
+
+def test_plan_says_when_holding_every_request_exceeds_the_kv_budget():
+    table = kvledger("plan", "--model", "seed-70b", "--tp", "2").stdout
+    # The note spans wrapped lines of the value column: read the cells' text as one.
+    cells = " ".join(line.split("│")[2] for line in table.splitlines() if line.count("│") == 3)
+    assert "naive and paged exceed the 6.81 GiB" in " ".join(cells.split()), table
+    small = kvledger("plan").stdout
+    assert "exceed" not in small, small
+
+
+def test_generate_accepts_the_served_name_of_the_embedded_model():
+    r = kvledger("generate", "stories260k", "--max-tokens", "4")
+    assert r.returncode == 0 and "Once upon a time" in r.stdout, r.stderr
 
 
 def test_plan_json_with_given_lengths_and_quantised_kv(tmp_path):
@@ -99,7 +121,7 @@ def test_plan_table():
         (["--memory-fraction", "0"], "fraction"),
         (["--weight-bytes", "0"], "weight"),
         (["--block-size", "0"], "block-size"),
-        (["--tp", "1"], "short by"),
+        (["--model", "seed-70b", "--tp", "1"], "short by"),
         (["--tp", "3"], "tp"),
         (["--kv-dtype", "int4"], "int4"),
         (["--lengths", "10,x"], "lengths"),

@@ -26,6 +26,7 @@ from kvledger.ledger.accounting import (
     plan_capacity,
 )
 from kvledger.ledger.spec import ModelSpec, load_model_spec
+from kvledger.model.default import DEFAULT_MODEL_NAME, resolve_named_model
 
 AUTO_TP_CANDIDATES = (1, 2, 4, 8)
 SAMPLE_SIZE, SAMPLE_MEDIAN, SAMPLE_SIGMA, SAMPLE_SEED = 256, 300, 1.0, 0
@@ -41,9 +42,9 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--model",
-        default="seed-70b",
-        help="preset name, model folder or config.json (default: seed-70b, the 70B "
-        "GQA-8 fp16 example)",
+        default=DEFAULT_MODEL_NAME,
+        help="preset name (e.g. seed-70b, the 70B GQA-8 fp16 example of the field), model folder "
+        f"or config.json (default: {DEFAULT_MODEL_NAME}, the embedded model kvledger generate runs)",
     )
     p.add_argument(
         "--kv-dtype",
@@ -187,7 +188,7 @@ def heads_comparison(
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = load_model_spec(args.model)
+    spec = load_model_spec(resolve_named_model(args.model) if args.model == DEFAULT_MODEL_NAME else args.model)
     kw = {
         "device": parse_size(args.device_memory),
         "reserve": parse_size(args.activation_reserve),
@@ -221,6 +222,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(spec, plan, figures)
     return 0
+
+
+def _over_budget(plan: CapacityPlan, f: dict) -> str:
+    """Say so where holding every sample request at once exceeds the KV budget (per rank, as
+    the figures are): those requests could not all be resident; paging makes them fit or not."""
+    over = [k for k in ("naive", "paged") if f[f"{k}_reserved_bytes"] > plan.kv_budget_bytes]
+    if not over:
+        return ""
+    who = " and ".join(over)
+    return (
+        f" — {who} exceed{'s' * (len(over) == 1)} the {format_bytes(plan.kv_budget_bytes)} KV budget: "
+        "these requests would not all fit at once"
+    )
 
 
 def _kib(n: int) -> str:
@@ -328,9 +342,9 @@ def _print_table(spec: ModelSpec, plan: CapacityPlan, f: dict[str, Any]) -> None
             f"{f['paged_utilization']:.1%} ({f['num_requests']} {f['lengths_source']} lengths)",
         ),
         (
-            "reserved, naive / paged",
+            f"reserved for all {f['num_requests']} at once, naive / paged",
             f"{format_bytes(f['naive_reserved_bytes'])} / "
-            f"{format_bytes(f['paged_reserved_bytes'])}",
+            f"{format_bytes(f['paged_reserved_bytes'])}" + _over_budget(plan, f),
         ),
     ]
     for row in rows:

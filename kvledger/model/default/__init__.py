@@ -15,10 +15,10 @@ def embedded_model_path() -> Path:
 
 
 def resolve_named_model(model: str | None) -> str:
-    """None -> the embedded default; 'kvledger-tiny' -> the random-weight test model (built on
+    """None or 'stories260k' -> the embedded default; 'kvledger-tiny' -> the random-weight test model (built on
     first use); anything else unchanged (a folder or a hub id)."""
-    if model is None:
-        return str(embedded_model_path())
+    if model is None or (model == DEFAULT_MODEL_NAME and not Path(model).exists()):
+        return str(embedded_model_path())  # the name it is served under works as a model too
     if model == TINY_MODEL_NAME:
         from kvledger.model.tiny import default_model_path
 
