@@ -153,8 +153,22 @@ def test_dashboard_route_follows_the_api_key_and_can_be_turned_off(tiny_engine):
             assert r.status_code == 401 and "missing API key" in r.json()["error"]["message"]
             assert c.get(path, params={"key": "nope"}).status_code == 401
             assert c.get(path, headers={"Authorization": "Bearer nope"}).status_code == 401
-        page = c.get("/dashboard", params={"key": "sk-1"})
+        # ?key= once: a cookie (a MAC, never the key) and a redirect to the bare URL.
+        first = c.get("/dashboard", params={"key": "sk-1"}, follow_redirects=False)
+        assert first.status_code == 303 and first.headers["location"].endswith("/dashboard")
+        cookie = first.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict")
+        assert "sk-1" not in cookie and "Path=/dashboard" in cookie
+        c.cookies.clear()
+        page = c.get("/dashboard", params={"key": "sk-1"})  # the redirect, followed with the cookie
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert c.get("/dashboard/data").status_code == 200  # the cookie alone opens the data
+        assert c.get("/v1/models").status_code == 401  # and never the API
+        token = c.cookies.get("kvledger_dashboard")
+        c.cookies.clear()
+        c.cookies.set("kvledger_dashboard", token[:-1] + ("0" if token[-1] != "0" else "1"))
+        assert c.get("/dashboard/data").status_code == 401
+        c.cookies.clear()
         assert "default-src 'none'" in page.headers["content-security-policy"]
         for _ in range(50):  # the sampler takes its first point as the server starts
             data = c.get("/dashboard/data", headers={"Authorization": "Bearer sk-1"}).json()

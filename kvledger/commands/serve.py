@@ -403,6 +403,10 @@ def _server(config: Any, on_exit: Callable[[], None] | None) -> Any:
     signal before the lifespan shutdown runs, and that is not a crash to log as an error."""
     import uvicorn
 
+    from kvledger.server import access_log
+
+    access_log.install()  # after uvicorn.Config configured its loggers
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if on_exit is not None:

@@ -7,19 +7,24 @@ cells are built in a worker thread. Frames are plain JSON (and the raw pool stat
 so they cross the boundary to an engine core process unchanged. A sampler keeps the last minutes of a cheap time series (KV
 usage, queues, generated tokens, preemptions) from the server's start, whether or not a page is
 open. The API key rules are those of ``/v1/*``; a browser cannot send a header when it
-navigates, so the dashboard also takes the key as ``?key=``.
+navigates, so the dashboard also takes the key as ``?key=`` once: it answers with an HttpOnly,
+SameSite=Strict cookie (a MAC of the key, never the key) and a redirect to the bare URL, and the
+page and its data requests are then authenticated by the cookie. The cookie opens the dashboard
+only, never the API. The access log redacts the key (``server/access_log.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
+import secrets
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 
 from kvledger.errors import EngineDeadError
 from kvledger.ledger.block_map import build_block_map
@@ -45,8 +50,20 @@ def _unauthorized(message: str) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=401)
 
 
-def _check_key(request: Request, api_key: str | None) -> JSONResponse | None:
+COOKIE = "kvledger_dashboard"
+
+
+def _cookie_token(api_key: str, secret: bytes) -> str:
+    """What the dashboard's cookie holds: a MAC of the key under a per-process secret, so the
+    key itself is never stored by the browser and a restart invalidates every cookie."""
+    return hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()
+
+
+def _check_key(request: Request, api_key: str | None, secret: bytes = b"") -> JSONResponse | None:
     if api_key is None:
+        return None
+    cookie = request.cookies.get(COOKIE)
+    if cookie is not None and secret and hmac.compare_digest(cookie.encode(), _cookie_token(api_key, secret).encode()):
         return None
     auth = request.headers.get("authorization", "")
     scheme, _, key = auth.partition(" ")
@@ -55,7 +72,7 @@ def _check_key(request: Request, api_key: str | None) -> JSONResponse | None:
     query = request.query_params.get("key")
     if query is not None and hmac.compare_digest(query.encode(), api_key.encode()):
         return None
-    given = auth or query is not None
+    given = auth or query is not None or cookie is not None
     msg = "incorrect API key" if given else "missing API key"
     return _unauthorized(f"{msg}: open /dashboard?key=<key>, or send 'Authorization: Bearer <key>'")
 
@@ -68,11 +85,23 @@ def mount_dashboard(
     reference_bpt = aengine.info.reference_bytes_per_token
     router = APIRouter()
 
+    secret = secrets.token_bytes(32)
+
     @router.get("/dashboard", include_in_schema=False)
     async def dashboard(request: Request):
-        denied = _check_key(request, api_key)
+        denied = _check_key(request, api_key, secret)
         if denied is not None:
             return denied
+        if api_key is not None and "key" in request.query_params:
+            # Opened with ?key=: trade it for a cookie and drop it from the address bar (and
+            # from the history, bookmarks and Referer headers that would keep it).
+            redirect = RedirectResponse(str(request.url.remove_query_params("key")), status_code=303)
+            redirect.set_cookie(
+                COOKIE, _cookie_token(api_key, secret), httponly=True, samesite="strict",
+                path=request.scope.get("root_path", "") + "/dashboard",
+                secure=request.url.scheme == "https",
+            )  # fmt: skip
+            return redirect
         return HTMLResponse(
             render_page(),
             headers={"Content-Security-Policy": CSP, "Cache-Control": "no-store"},
@@ -80,7 +109,7 @@ def mount_dashboard(
 
     @router.get("/dashboard/data", include_in_schema=False)
     async def dashboard_data(request: Request, since: float | None = None):
-        denied = _check_key(request, api_key)
+        denied = _check_key(request, api_key, secret)
         if denied is not None:
             return denied
         frame, pool = await aengine.query("dashboard_frame", reference_bpt)
