@@ -221,3 +221,28 @@ def test_auto_tool_calls_stream_like_vllm(client):
     assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments) for c in msg.tool_calls]
     assert calls[0]["pieces"] > 3  # the arguments came in fragments, not in one piece at the end
     assert tokens == [t.token for t in full.logprobs.content]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_streamed_and_not_is_one_message_at_every_length(client, choice):
+    """tool_choice required / named, cut by max_tokens at several points and left to finish:
+    the stream's chunks add up to the non-streamed message (content, each call's name and
+    arguments, finish_reason); a cut call is the call as far as it was generated, as OpenAI
+    answers, never raw JSON as content."""
+    model = client.models.list().data[0].id
+    seen_cut = seen_whole = False
+    for max_tokens in (6, 12, 20, 40, 200):
+        kw = dict(model=model, messages=[{"role": "user", "content": "Weather and time?"}],
+                  tools=[WEATHER, TIME], tool_choice=choice, max_tokens=max_tokens, temperature=0,
+                  parallel_tool_calls=False)  # one call: it ends within the largest max_tokens
+        full = client.chat.completions.create(**kw).choices[0]
+        content, calls, finish, _ = _streamed(client, **kw)
+        msg = full.message
+        want = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
+        assert [(c["name"], c["arguments"]) for c in calls] == want, (max_tokens, calls, want)
+        assert (content or None, finish) == (msg.content or None, full.finish_reason), max_tokens
+        if full.finish_reason == "length" and want:
+            seen_cut = True
+            assert msg.content is None  # the cut JSON is not passed off as text
+        seen_whole |= full.finish_reason in ("tool_calls", "stop")
+    assert seen_cut and seen_whole

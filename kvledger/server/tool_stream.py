@@ -7,9 +7,11 @@ by a coroutine fed one character at a time, so partial tags and partial JSON nee
 re-parsing. The arguments are re-spelled the way the non-streamed response spells them
 (json_stream.JsonCanonicalizer), and when the choice ends its whole text is parsed exactly as
 without streaming and only the missing rest is sent: the fragments add up to the non-streamed
-``tool_calls`` and content. What was sent cannot be taken back: if the finished text does not
-parse (e.g. max_tokens cut a call short) the stream has already shown the start of a call,
-as in vLLM; this is logged.
+``tool_calls`` and content. When max_tokens cuts a forced call short, the non-streamed answer
+is read by this same reader (``calls_so_far``): the calls as far as they were generated, so the
+stream and the whole response still agree. Otherwise what was sent cannot be taken back: if an
+auto-parsed text does not parse in the end, the stream has shown the start of a call, as in
+vLLM; this is logged.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvledger.server.json_stream import JsonCanonicalizer
-from kvledger.server.tools import ToolChoice, new_call_id, pythonic_arguments, tool_output
+from kvledger.server.tools import ToolCall, ToolChoice, new_call_id, pythonic_arguments, tool_output
 
 logger = logging.getLogger("kvledger.server")
 
@@ -354,3 +356,11 @@ _READERS: dict[str, Callable[[ToolCallStream], Reader]] = {
     "mistral": ToolCallStream._mistral,
     "pythonic": ToolCallStream._pythonic,
 }
+
+
+def calls_so_far(choice: ToolChoice, text: str) -> list[ToolCall]:
+    """The named calls a stream of ``text`` has sent, arguments as far as they were sent."""
+    stream = ToolCallStream(choice, None)
+    for c in text:
+        stream._reader.send(c)
+    return [ToolCall(call.name, call.sent) for call in stream.calls if call.name is not None]
