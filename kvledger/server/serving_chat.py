@@ -24,8 +24,8 @@ from kvledger.server.protocol import (
 )
 from kvledger.server.serving import ServingContext, chat_logprobs, render_prompt_logprobs
 from kvledger.server.streaming import SSEResponse, sse, sse_stream, until_disconnect, usage_of
-from kvledger.server.tool_stream import ToolCallStream
-from kvledger.server.tools import chat_constraint, tool_output
+from kvledger.server.tool_stream import ToolCallStream, tool_message
+from kvledger.server.tools import chat_constraint
 
 MAX_MESSAGES = 4096  # a chat request's messages (the body limit bounds them too)
 
@@ -126,7 +126,7 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
         (out,) = outs
         choices = []
         for c in out.outputs:
-            content, calls, finish = tool_output(tool_choice, parser, c.text, c.finish_reason)
+            content, calls, finish = tool_message(tool_choice, parser, c.text, c.finish_reason)
             choices.append(
                 ChatChoice(
                     index=c.index,

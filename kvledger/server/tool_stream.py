@@ -110,7 +110,7 @@ class ToolCallStream:
 
     def _settle(self, finish_reason: str) -> str | None:
         """The rest of the non-streamed answer, sent as what is missing."""
-        content, calls, finish = tool_output(self.choice, self.parser, self.text, finish_reason)
+        content, calls, finish = tool_message(self.choice, self.parser, self.text, finish_reason)
         final = (content or "") if calls or self.choice.mode != "named" else self.text
         sent = self.content_sent + self._content
         if final.startswith(sent):
@@ -356,6 +356,21 @@ _READERS: dict[str, Callable[[ToolCallStream], Reader]] = {
     "mistral": ToolCallStream._mistral,
     "pythonic": ToolCallStream._pythonic,
 }
+
+
+def tool_message(
+    choice: ToolChoice, parser: str | None, text: str, finish_reason: str | None
+) -> tuple[str | None, list[ToolCall], str | None]:
+    """(content, tool calls, finish_reason) of a finished choice, streamed or not. A forced call
+    cut short by max_tokens is the calls as far as they were generated (the last one's arguments
+    unfinished), as OpenAI answers, and exactly what a stream of the same text has sent (vLLM's
+    non-streamed answer drops them while its stream sent them: the two disagree)."""
+    content, calls, finish = tool_output(choice, parser, text, finish_reason)
+    if not calls and finish_reason == "length" and choice.mode in ("named", "required"):
+        cut = calls_so_far(choice, text)
+        if cut:
+            return None, cut, finish_reason
+    return content, calls, finish
 
 
 def calls_so_far(choice: ToolChoice, text: str) -> list[ToolCall]:

@@ -279,17 +279,7 @@ def tool_output(
     """(content, tool calls, finish_reason) of a finished choice's text."""
     if choice.mode in ("named", "required"):
         calls = forced_calls(text, choice)
-        if not calls and finish_reason == "length":
-            # max_tokens cut the call short: the calls as far as they were generated (the last
-            # one's arguments unfinished), as OpenAI answers, and exactly what a stream of the
-            # same text has sent (vLLM's non-streamed answer drops them while its stream sent
-            # them: the two disagree).
-            from kvledger.server.tool_stream import calls_so_far
-
-            calls = calls_so_far(choice, text)
-            if calls:
-                return None, calls, finish_reason
-        if not calls:
+        if not calls:  # cut short by max_tokens: tool_stream.tool_message reads it as far as it got
             return text, [], finish_reason
         return None, calls, "tool_calls" if choice.mode == "required" else finish_reason
     if choice.mode == "auto" and parser is not None:
