@@ -168,3 +168,39 @@ def test_interleaved_servers_take_turns_and_their_medians_are_reported(tmp_path,
     print_paired(report, base="kvledger-thread")
     assert "| 2 | kvledger | " in capsys.readouterr().out
     assert paired(report) == {}  # no vLLM in this report
+
+
+def test_vllm_random_dataset_prompts_are_all_served(bench_server):
+    """What `vllm bench serve --dataset-name random` sends (vLLM is not installed here: its
+    RandomDataset's prompts, reproduced by benchmarks/vllm_bench_serve.py, through the openai
+    client): runs of token ids decoded to text, NUL (<0x00>) in some of them. Every one is a 200,
+    and the prompt's tokens are the tokenizer's own for that text."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from benchmarks.vllm_bench_serve import random_dataset_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(STORIES))
+    prompts = random_dataset_prompts(tok, 120, 32, seed=0)
+    assert sum("\x00" in p for p in prompts) >= 3  # the requests vLLM's client saw refused
+    client = openai.OpenAI(base_url=f"{bench_server.url}/v1", api_key="x", max_retries=0)
+    for p in prompts:
+        r = client.completions.create(
+            model=MODEL_NAME, prompt=p, max_tokens=4, extra_body={"ignore_eos": True, "return_token_ids": True}
+        )
+        assert r.choices[0].finish_reason == "length"
+        assert r.choices[0].prompt_token_ids == tok(p).input_ids
+
+
+def test_vllm_bench_serve_script_runs_vllms_client_or_says_what_is_missing(tmp_path, capsys):
+    from benchmarks.vllm_bench_serve import bench_command, main, parse_args, summarize
+
+    assert main(["--vllm-venv", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"no vLLM venv at {tmp_path / 'none'}") and "\n" not in err
+    a = parse_args(["--vllm-venv", str(tmp_path), "--num-prompts", "200"])
+    cmd = bench_command(tmp_path, "http://127.0.0.1:1", "m", "/tok", a, tmp_path)
+    assert cmd[:5] == [str(tmp_path / "bin" / "python"), "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    assert cmd[cmd.index("--dataset-name") + 1] == "random" and "--save-result" in cmd
+    failed, errors = summarize({"completed": 179, "errors": ["", "400 NUL", "400 NUL"]}, 200)
+    assert failed == 21 and errors == ["400 NUL"]

@@ -191,3 +191,33 @@ def test_the_api_key_never_reaches_the_access_log(tmp_path):
         assert key not in log, log
     finally:
         s.stop()
+
+
+def test_fields_without_effect_are_named_in_a_response_header(default_server):
+    """Each response to a request that set store/metadata/service_tier/verbosity names them in
+    x-kvledger-warning (streamed or not); a request without them carries no such header."""
+    import httpx
+
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="x", max_retries=0)
+    kw = dict(model="stories260k", max_tokens=2, temperature=0)
+    raw = client.chat.completions.with_raw_response.create(
+        **kw, messages=[{"role": "user", "content": "Tom"}], store=True, metadata={"a": "b"},
+        service_tier="auto", verbosity="low", user="u1",
+    )  # fmt: skip
+    header = raw.headers.get("x-kvledger-warning")
+    assert header is not None and header.endswith(": metadata, service_tier, store, verbosity"), header
+    assert "user" not in header.split(": ", 1)[1]  # OpenAI's own no-op: no warning
+    raw = client.completions.with_raw_response.create(**kw, prompt="Tom", extra_body={"store": True})
+    assert raw.headers.get("x-kvledger-warning", "").endswith(": store")
+    with client.completions.with_streaming_response.create(
+        **kw, prompt="Tom", stream=True, extra_body={"store": True}
+    ) as stream:
+        assert stream.headers.get("x-kvledger-warning", "").endswith(": store")
+        list(stream.iter_lines())
+    plain = client.completions.with_raw_response.create(**kw, prompt="Tom")
+    assert "x-kvledger-warning" not in plain.headers
+    tok = httpx.post(f"{default_server.url}/tokenize", json={"prompt": "Tom\x00 had"}).json()
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(embedded_model_path()))("Tom\x00 had").input_ids
+    assert tok["tokens"] == ref

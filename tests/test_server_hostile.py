@@ -92,6 +92,11 @@ def _bodies() -> list[tuple[str, str | bytes]]:
         comp(logit_bias={"5": float("nan")}), comp(logit_bias={"5": float("inf")}),
         comp(logit_bias={"5": True}), comp(stop=""), chat(max_completion_tokens=True),
         chat(top_logprobs=True, logprobs=True), chat(store="yes"), chat(metadata=["a"]),
+        comp(stop=[""]), comp(prompt=[[1, True]]), comp(allowed_token_ids=[True]),
+        comp(presence_penalty=float("nan")), comp(frequency_penalty=float("inf")),
+        comp(repetition_penalty=float("nan")), comp(min_p=float("nan")), comp(top_p=float("nan")),
+        comp(prompt_logprobs=True), comp(min_tokens=True), comp(priority=True),
+        chat(service_tier=5), chat(verbosity=1), chat(store=1), chat(metadata="a"),
     ]  # fmt: skip
     ranges = [
         comp(seed=2**70), comp(seed=-(2**70)), comp(n=10**6), comp(n=0), comp(n=-1),

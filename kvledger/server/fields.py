@@ -130,6 +130,22 @@ ACCEPTED_WITH_WARNING: dict[str, tuple[type | tuple[type, ...], str]] = {
     "verbosity": (str, "the output's length is set by max_tokens and the model"),
 }
 _warned: set[str] = set()
+# The response header naming the fields accepted and ignored in that request (besides the log
+# line, which is written once per field and process).
+WARNING_HEADER = "x-kvledger-warning"
+
+
+def ignored_fields(extra: dict[str, Any]) -> list[str]:
+    """The fields of ``extra`` accepted with a warning and ignored (set, not null)."""
+    return sorted(n for n, v in extra.items() if n in ACCEPTED_WITH_WARNING and v is not None)
+
+
+def warning_headers(extra: dict[str, Any]) -> dict[str, str]:
+    """``{WARNING_HEADER: ...}`` when the request set a field accepted and ignored, else {}."""
+    names = ignored_fields(extra)
+    if not names:
+        return {}
+    return {WARNING_HEADER: "accepted and ignored (no effect on this server): " + ", ".join(names)}
 
 
 def is_numeric(annotation: Any) -> bool:

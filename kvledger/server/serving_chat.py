@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from kvledger.outputs import CompletionOutput, RequestOutput
 from kvledger.sampling_params import RequestOutputKind
 from kvledger.server.errors import APIError
+from kvledger.server.fields import warning_headers
 from kvledger.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -116,7 +117,9 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
             ]
             usage = (lambda u: chunk([], u)) if body.include_usage else None
             gen = sse_stream(streams, params.n, render, usage, opening)
-            return SSEResponse(gen, on_close=ctx.abort_all(streams))
+            resp = SSEResponse(gen, on_close=ctx.abort_all(streams))
+            resp.headers.update(warning_headers(body.model_extra or {}))
+            return resp
         try:
             outs = await until_disconnect(request, ctx.final_outputs(streams))
         finally:
@@ -150,4 +153,5 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
             if params.prompt_logprobs is not None
             else None,
         )
-        return JSONResponse(resp.model_dump())
+        headers = warning_headers(body.model_extra or {})
+        return JSONResponse(resp.model_dump(), headers=headers)

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvledger.outputs import CompletionOutput, RequestOutput
 from kvledger.sampling_params import RequestOutputKind
+from kvledger.server.fields import warning_headers
 from kvledger.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from kvledger.server.serving import (
     ServingContext,
@@ -82,7 +83,9 @@ def mount_completions(app: FastAPI, ctx: ServingContext) -> None:
 
             usage = (lambda u: sse(response([], u))) if body.include_usage else None
             gen = sse_stream(streams, params.n, render, usage)
-            return SSEResponse(gen, on_close=ctx.abort_all(streams))
+            resp = SSEResponse(gen, on_close=ctx.abort_all(streams))
+            resp.headers.update(warning_headers(body.model_extra or {}))
+            return resp
         try:
             outs = await until_disconnect(request, ctx.final_outputs(streams))
         finally:
@@ -114,4 +117,5 @@ def mount_completions(app: FastAPI, ctx: ServingContext) -> None:
                     )
                 )
         usage = usage_of(outs, [len(s.prompt_token_ids) for s in streams])
-        return JSONResponse(response(choices, usage).model_dump())
+        headers = warning_headers(body.model_extra or {})
+        return JSONResponse(response(choices, usage).model_dump(), headers=headers)
