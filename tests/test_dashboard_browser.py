@@ -223,6 +223,8 @@ def test_request_table_axes_and_capacity_card_read_right_at_1400px(browser, serv
                 " return {rows: document.querySelectorAll('#reqs tbody tr').length,"
                 "  wrap: [w.scrollWidth, w.clientWidth],"
                 "  heads: [...document.querySelectorAll('#reqs th')].map((h) => [h.textContent, h.scrollWidth, h.clientWidth]),"
+                "  cut: [...document.querySelectorAll('#reqs tbody td:not(:first-child)')]"
+                "    .filter((d) => d.scrollWidth > d.clientWidth).map((d) => d.textContent),"
                 "  title: (document.querySelector('#reqs tbody td') || {}).title || '',"
                 "  queues: JSON.parse(document.getElementById('c-queues').dataset.yticks),"
                 "  pre: JSON.parse(document.getElementById('c-pre').dataset.yticks) }; }"
@@ -238,6 +240,7 @@ def test_request_table_axes_and_capacity_card_read_right_at_1400px(browser, serv
     assert got["wrap"][0] <= got["wrap"][1], f"the table scrolls sideways: {got['wrap']}"
     cut = [h for h in got["heads"] if h[1] > h[2]]
     assert not cut and len(got["heads"]) == 10, got["heads"]
+    assert not got["cut"], got["cut"]  # only ids are shortened, never a figure
     assert got["title"].startswith("cmpl-") and len(got["title"]) > 16  # the whole id, on hover
     for ticks in (got["queues"], got["pre"]):
         assert ticks and all(re.fullmatch(r"\d+", t) for t in ticks), ticks
