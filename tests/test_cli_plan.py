@@ -75,6 +75,22 @@ def test_plan_says_when_holding_every_request_exceeds_the_kv_budget():
     assert "exceed" not in small, small
 
 
+def test_plan_table_says_what_the_reserved_row_means():
+    table = " ".join(kvledger("plan", "--model", "seed-70b", "--tp", "2").stdout.split())
+    assert "reserved: KV memory per rank to hold all 256 sample requests at once" in table, table
+    assert "naive reserves the full 4,096-token context for each, paged only the blocks each fills" in table, table
+
+
+def test_llm_accepts_the_served_name_of_the_embedded_model():
+    from kvledger import LLM, SamplingParams
+    from kvledger.model.default import embedded_model_path
+
+    llm = LLM("stories260k")
+    assert str(llm.llm_engine.config.model) == str(embedded_model_path())
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert out.outputs[0].text == ", there was a", out.outputs[0].text
+
+
 def test_generate_accepts_the_served_name_of_the_embedded_model():
     r = kvledger("generate", "stories260k", "--max-tokens", "4")
     assert r.returncode == 0 and "Once upon a time" in r.stdout, r.stderr

@@ -92,7 +92,8 @@ def test_dp2_reports_itself_per_engine(tmp_path):
         assert sum(prompt.values()) == sum(o.usage.prompt_tokens for o in outs), prompt
         e2e = per_engine("vllm:e2e_request_latency_seconds_count")
         assert e2e == success, (e2e, success)
-        assert httpx.get(f"{srv.url}/server_info").json()["dp_size"] == 2
+        info = httpx.get(f"{srv.url}/server_info").json()
+        assert (info["dp_size"], info["tp_size"]) == (2, 1)
         load = httpx.get(f"{srv.url}/get_load").json()
         assert [x["dp_rank"] for x in load] == [0, 1] and all(x["num_reqs"] == 0 for x in load), load
     finally:

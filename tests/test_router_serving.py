@@ -51,7 +51,7 @@ def replicas(tmp_path_factory):
 def test_sglang_router_streams_through_kvledger_workers(replicas, tmp_path):
     model, srvs, _, _ = replicas
     info = httpx.get(f"{srvs[0].url}/server_info").json()
-    assert info["served_model_name"] == model and info["dp_size"] == 1
+    assert info["served_model_name"] == model and (info["dp_size"], info["tp_size"]) == (1, 1)
     load = httpx.get(f"{srvs[0].url}/get_load").json()
     assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
     assert httpx.get(f"{srvs[0].url}/get_model_info").json()["is_generation"] is True

@@ -286,6 +286,8 @@ def _print_table(spec: ModelSpec, plan: CapacityPlan, f: dict[str, Any]) -> None
     t = Table(
         title=f"kvledger plan: {spec.name} on {format_bytes(plan.device_memory_bytes)} x {plan.tp}",
         show_header=False,
+        caption=f"reserved: KV memory per rank to hold all {f['num_requests']} sample requests at once -- "
+        f"naive reserves the full {plan.context_len:,}-token context for each, paged only the blocks each fills",
     )
     t.add_column(style="bold")
     t.add_column()

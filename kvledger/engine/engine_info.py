@@ -38,6 +38,7 @@ class EngineInfo:
     architectures: list[str] | None = None
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     has_tokenizer: bool = True
+    tensor_parallel_size: int = 1  # TP ranks behind this engine
 
     @classmethod
     def from_engine(cls, eng: LLMEngine) -> EngineInfo:
@@ -61,6 +62,7 @@ class EngineInfo:
             architectures=eng.hf_config.get("architectures"),
             default_sampling_params=dict(eng.default_sampling_params),
             has_tokenizer=eng.tokenizer is not None,
+            tensor_parallel_size=cfg.tensor_parallel_size,
         )
 
 

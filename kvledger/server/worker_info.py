@@ -27,6 +27,7 @@ def mount_worker_info(app: FastAPI, ctx: ServingContext) -> None:
                 "served_model_name": ctx.model_name,
                 "tokenizer_path": tokenizer_path,
                 "dp_size": dp_size,
+                "tp_size": info.tensor_parallel_size,
                 "version": __version__,
                 "max_total_tokens": info.num_blocks * info.block_size,
                 "max_running_requests": info.max_num_seqs,
