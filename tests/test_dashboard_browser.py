@@ -248,3 +248,28 @@ def test_request_table_axes_and_capacity_card_read_right_at_1400px(browser, serv
     assert re.search(r"requests the pool holds\s+[\d,]+ paged / [\d,]+ naive", card), card
     server.wait_idle()
     page.close()
+
+
+def test_the_key_in_the_url_is_traded_for_a_cookie_in_chromium(browser, server):
+    """Opening /dashboard?key= in Chromium lands on the bare /dashboard (the key gone from the
+    address bar and history); the page's data requests and a later visit go by the HttpOnly
+    cookie (invisible to scripts); the cookie does not open the API; another browser context,
+    with no cookie, gets a 401."""
+    ctx = browser.new_context()
+    try:
+        page = ctx.new_page()
+        first = page.goto(f"{server.url}/dashboard?key={KEY}")
+        assert first.status == 200 and page.url == f"{server.url}/dashboard", page.url
+        assert page.evaluate("document.cookie") == ""  # HttpOnly
+        assert page.evaluate("fetch('/dashboard/data').then(r => r.status)") == 200
+        assert page.evaluate("fetch('/v1/models').then(r => r.status)") == 401
+        again = ctx.new_page()
+        assert again.goto(f"{server.url}/dashboard").status == 200
+        assert KEY not in str(ctx.cookies())
+    finally:
+        ctx.close()
+    other = browser.new_context()
+    try:
+        assert other.new_page().goto(f"{server.url}/dashboard").status == 401
+    finally:
+        other.close()

@@ -186,7 +186,10 @@ def test_the_api_key_never_reaches_the_access_log(tmp_path):
             assert c.get("/dashboard/data").status_code == 200
         # ?api_key= is not how the dashboard takes a key (401), but it is redacted all the same
         assert httpx.get(f"{s.url}/dashboard", params={"api_key": key, "x": "1"}).status_code == 401
+        # any credential-like name, on any route (the API answers 401: a key goes in the header)
+        assert httpx.get(f"{s.url}/v1/models", params={"x-api-key": key, "client_secret": key}).status_code == 401
         log = s.log()
+        assert "/v1/models?x-api-key=***&client_secret=*** HTTP/1.1" in log, log
         assert "GET /dashboard?key=*** HTTP/1.1" in log and "/dashboard?api_key=***&x=1" in log, log
         assert key not in log, log
     finally:

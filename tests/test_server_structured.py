@@ -246,3 +246,27 @@ def test_a_forced_call_streamed_and_not_is_one_message_at_every_length(client, c
             assert msg.content is None  # the cut JSON is not passed off as text
         seen_whole |= full.finish_reason in ("tool_calls", "stop")
     assert seen_cut and seen_whole
+
+
+def test_an_auto_call_streamed_and_not_is_one_message_at_every_length(client):
+    """tool_choice auto with the hermes parser, the call cut by max_tokens at several points and
+    left to finish: the stream adds up to the non-streamed message (the text before the call as
+    content, the call as far as it was generated, finish_reason), never the raw tag as content."""
+    model = client.models.list().data[0].id
+    regex = (r'Ok\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", '
+             r'"unit": "(c|f)"\}\}</tool_call>')
+    seen_cut = False
+    for max_tokens in (3, 20, 40, 50, 60, 70, 80, 120):
+        kw = dict(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+                  tool_choice="auto", max_tokens=max_tokens, temperature=0,
+                  extra_body={"structured_outputs": {"regex": regex}})
+        full = client.chat.completions.create(**kw).choices[0]
+        content, calls, finish, _ = _streamed(client, **kw)
+        msg = full.message
+        want = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
+        assert [(c["name"], c["arguments"]) for c in calls] == want, (max_tokens, calls, want)
+        assert (content or None, finish) == (msg.content or None, full.finish_reason), max_tokens
+        if full.finish_reason == "length" and want:
+            seen_cut = True
+            assert msg.content == "Ok. "  # the cut tag and JSON are not passed off as text
+    assert seen_cut and full.finish_reason == "tool_calls"

@@ -131,3 +131,34 @@ def test_streamed_forced_calls_add_up(choice, text):
     want = forced_calls(text, choice)
     assert [(names[k], args[k]) for k in sorted(args)] == [(t.name, t.arguments) for t in want]
     assert f == ("tool_calls" if choice.mode == "required" else "stop")
+
+
+FORCED_CASES = [
+    ("required", None, '[{"name":"get_weather","parameters":{"city":"X"}},{"name":"f","parameters":{"q":[1,{"r":"s"}]}}]'),
+    ("named", "get_weather", '{"city":"Y","unit":"c"}'),
+]
+
+
+@pytest.mark.parametrize("mode,name,parser,text", [("auto", None, p, t) for p, t in STREAM_CASES]
+                         + [(m, n, None, t) for m, n, t in FORCED_CASES])
+def test_cut_at_every_length_streamed_and_not_are_one_message(mode, name, parser, text):
+    """max_tokens may cut the text anywhere (finish_reason length): what a stream of the prefix
+    sends, accumulated as the openai client does, is the non-streamed message of that prefix, in
+    auto mode with each parser as in required and named mode (a call begun is kept as far as it
+    was generated, on both sides)."""
+    from kvledger.server.tool_stream import tool_message
+
+    choice = ToolChoice(mode, name)
+    for cut in range(1, len(text) + 1):
+        prefix = text[:cut]
+        content, calls, finish = tool_message(choice, parser, prefix, "length")
+        stream = ToolCallStream(choice, parser)
+        got_content, got = "", {}
+        for i, ch in enumerate(prefix):
+            c, deltas, f = stream.step(ch, "length" if i == len(prefix) - 1 else None)
+            got_content += c
+            for d in deltas:
+                g = got.setdefault(d["index"], {"name": d["function"].get("name"), "arguments": ""})
+                g["arguments"] += d["function"]["arguments"]
+        assert (f, got_content or None) == (finish, content or None), prefix
+        assert [(g["name"], g["arguments"]) for _, g in sorted(got.items())] == [(t.name, t.arguments) for t in calls], prefix

@@ -8,7 +8,11 @@ import logging
 import re
 
 # Query parameters that carry a credential, by the names clients use.
-_SECRET = re.compile(r"([?&](?:key|api_key|api-key|apikey|token|access_token|password)=)[^&#\s]*", re.I)
+# A query name is a credential when it is one of these words, alone or after a prefix joined by
+# "_", "-" or "." (api_key, x-api-key, refresh_token, client_secret, auth.token), or apikey /
+# accesstoken: not "monkey" or "tokens_per_s".
+_NAMES = r"(?:[\w.-]*[_.-])?(?:key|apikey|token|accesstoken|secret|password|passwd|pwd|auth|authorization|credentials?|sig|signature|session)"
+_SECRET = re.compile(rf"([?&]{_NAMES}=)[^&#\s]*", re.I)
 
 
 def redact(url: str) -> str:

@@ -7,8 +7,8 @@ by a coroutine fed one character at a time, so partial tags and partial JSON nee
 re-parsing. The arguments are re-spelled the way the non-streamed response spells them
 (json_stream.JsonCanonicalizer), and when the choice ends its whole text is parsed exactly as
 without streaming and only the missing rest is sent: the fragments add up to the non-streamed
-``tool_calls`` and content. When max_tokens cuts a forced call short, the non-streamed answer
-is read by this same reader (``calls_so_far``): the calls as far as they were generated, so the
+``tool_calls`` and content. When max_tokens cuts a call short (forced, or auto with a parser),
+the non-streamed answer is read by this same reader (``_so_far``): the calls as far as they were generated, so the
 stream and the whole response still agree. Otherwise what was sent cannot be taken back: if an
 auto-parsed text does not parse in the end, the stream has shown the start of a call, as in
 vLLM; this is logged.
@@ -361,21 +361,28 @@ _READERS: dict[str, Callable[[ToolCallStream], Reader]] = {
 def tool_message(
     choice: ToolChoice, parser: str | None, text: str, finish_reason: str | None
 ) -> tuple[str | None, list[ToolCall], str | None]:
-    """(content, tool calls, finish_reason) of a finished choice, streamed or not. A forced call
-    cut short by max_tokens is the calls as far as they were generated (the last one's arguments
+    """(content, tool calls, finish_reason) of a finished choice, streamed or not. A call (forced,
+    or auto with a parser) cut short by max_tokens is the calls as far as they were generated (the last one's arguments
     unfinished), as OpenAI answers, and exactly what a stream of the same text has sent (vLLM's
     non-streamed answer drops them while its stream sent them: the two disagree)."""
     content, calls, finish = tool_output(choice, parser, text, finish_reason)
-    if not calls and finish_reason == "length" and choice.mode in ("named", "required"):
-        cut = calls_so_far(choice, text)
-        if cut:
-            return None, cut, finish_reason
+    forced = choice.mode in ("named", "required")
+    if finish_reason == "length" and (forced or (choice.mode == "auto" and parser is not None)):
+        sent, cut = _so_far(choice, parser, text)
+        if len(cut) > len(calls):  # a call the stream began did not finish: as far as it got
+            return (None if forced else sent or None), cut, finish_reason
     return content, calls, finish
+
+
+def _so_far(choice: ToolChoice, parser: str | None, text: str) -> tuple[str, list[ToolCall]]:
+    """(content, named calls) a stream of ``text`` has sent, arguments as far as they were sent."""
+    stream = ToolCallStream(choice, parser)
+    for c in text:
+        stream._reader.send(c)
+    sent = stream.content_sent + stream._content
+    return sent, [ToolCall(call.name, call.sent) for call in stream.calls if call.name is not None]
 
 
 def calls_so_far(choice: ToolChoice, text: str) -> list[ToolCall]:
     """The named calls a stream of ``text`` has sent, arguments as far as they were sent."""
-    stream = ToolCallStream(choice, None)
-    for c in text:
-        stream._reader.send(c)
-    return [ToolCall(call.name, call.sent) for call in stream.calls if call.name is not None]
+    return _so_far(choice, None, text)[1]
