@@ -56,6 +56,21 @@ def test_chat_on_the_embedded_default_continues_the_story(default_server):
     assert r.usage.prompt_tokens == len(llm_out.prompt_token_ids)
 
 
+def test_offline_chat_on_the_embedded_default_is_the_story_continued():
+    from kvledger import LLM, SamplingParams
+
+    llm = LLM(str(embedded_model_path()))
+    params = SamplingParams(max_tokens=24, temperature=0)
+    messages = [
+        {"role": "system", "content": "Once upon a time"},
+        {"role": "user", "content": "there was a dog named Max."},
+    ]
+    chat = llm.chat(messages, params, use_tqdm=False)[0]
+    story = llm.generate(["Once upon a time there was a dog named Max."], params, use_tqdm=False)[0]
+    assert chat.outputs[0].text and chat.outputs[0].text == story.outputs[0].text
+    assert chat.prompt_token_ids == story.prompt_token_ids
+
+
 def _core_pids(pid: int) -> list[int]:
     return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
 
