@@ -10,6 +10,7 @@ error, and a `simulate --html` file must play in the same browser.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import threading
@@ -127,22 +128,34 @@ def run_load(url: str, stop: threading.Event, worker: int, errors: list) -> None
         errors.append(e)
 
 
+@contextlib.contextmanager
+def load(server, clients: int):
+    """``clients`` threads sending completions (``run_load``) while the block runs; yields the
+    list their errors go to, checked by the caller once they are joined."""
+    stop, errors = threading.Event(), []
+    workers = [
+        threading.Thread(target=run_load, args=(server.url, stop, w, errors), daemon=True)
+        for w in range(clients)
+    ]
+    for t in workers:
+        t.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        for t in workers:
+            t.join(120)
+
+
 def test_live_page_counts_equal_the_ledger_under_load(browser, server):
     page, console_errors = open_page(browser, f"{server.url}/dashboard?key={KEY}")
     first = next_frame(page)
     assert first["shown"] == ledger_counts(first["ledger"])
-    stop, load_errors = threading.Event(), []
+    seen = {"used": 0, "shared": 0, "swapped": 0, "waiting": 0}
     # Twice the server's --max-num-seqs in clients, so that requests wait at almost every frame
     # even when each client takes a while between requests (8 clients once saw none waiting in
     # 172 frames of a loaded full-suite run).
-    workers = [
-        threading.Thread(target=run_load, args=(server.url, stop, w, load_errors), daemon=True)
-        for w in range(12)
-    ]
-    for t in workers:
-        t.start()
-    seen = {"used": 0, "shared": 0, "swapped": 0, "waiting": 0}
-    try:
+    with load(server, 12) as load_errors:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not all(seen.values()):
             f = next_frame(page)
@@ -165,10 +178,6 @@ def test_live_page_counts_equal_the_ledger_under_load(browser, server):
                 break
         else:
             raise AssertionError(f"no holders in the hovered block's details: {tip!r}")
-    finally:
-        stop.set()
-        for t in workers:
-            t.join(120)
     assert not load_errors, load_errors
     led = server.wait_idle()
     f = next_frame(page)
@@ -207,14 +216,7 @@ def test_request_table_axes_and_capacity_card_read_right_at_1400px(browser, serv
     is cut; count axes tick at whole numbers; the capacity card compares requests with requests."""
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     page.goto(f"{server.url}/dashboard?key={KEY}")
-    stop, load_errors = threading.Event(), []
-    workers = [
-        threading.Thread(target=run_load, args=(server.url, stop, w, load_errors), daemon=True)
-        for w in range(8)
-    ]
-    for t in workers:
-        t.start()
-    try:
+    with load(server, 8) as load_errors:
         deadline = time.monotonic() + 60
         while True:
             next_frame(page)
@@ -231,10 +233,6 @@ def test_request_table_axes_and_capacity_card_read_right_at_1400px(browser, serv
             )
             if got["rows"] >= 4 or time.monotonic() > deadline:
                 break
-    finally:
-        stop.set()
-        for t in workers:
-            t.join(120)
     assert not load_errors, load_errors
     assert got["rows"] >= 4, got
     assert got["wrap"][0] <= got["wrap"][1], f"the table scrolls sideways: {got['wrap']}"

@@ -223,6 +223,18 @@ def test_auto_tool_calls_stream_like_vllm(client):
     assert tokens == [t.token for t in full.logprobs.content]
 
 
+def _one_message(client, **kw):
+    """The non-streamed choice after asserting the stream of the same request adds up to it:
+    each call's name and arguments, the content and the finish_reason."""
+    full = client.chat.completions.create(**kw).choices[0]
+    content, calls, finish, _ = _streamed(client, **kw)
+    msg = full.message
+    want = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
+    assert [(c["name"], c["arguments"]) for c in calls] == want, (kw["max_tokens"], calls, want)
+    assert (content or None, finish) == (msg.content or None, full.finish_reason), kw["max_tokens"]
+    return full
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_call_streamed_and_not_is_one_message_at_every_length(client, choice):
     """tool_choice required / named, cut by max_tokens at several points and left to finish:
@@ -235,13 +247,9 @@ def test_a_forced_call_streamed_and_not_is_one_message_at_every_length(client, c
         kw = dict(model=model, messages=[{"role": "user", "content": "Weather and time?"}],
                   tools=[WEATHER, TIME], tool_choice=choice, max_tokens=max_tokens, temperature=0,
                   parallel_tool_calls=False)  # one call: it ends within the largest max_tokens
-        full = client.chat.completions.create(**kw).choices[0]
-        content, calls, finish, _ = _streamed(client, **kw)
+        full = _one_message(client, **kw)
         msg = full.message
-        want = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
-        assert [(c["name"], c["arguments"]) for c in calls] == want, (max_tokens, calls, want)
-        assert (content or None, finish) == (msg.content or None, full.finish_reason), max_tokens
-        if full.finish_reason == "length" and want:
+        if full.finish_reason == "length" and msg.tool_calls:
             seen_cut = True
             assert msg.content is None  # the cut JSON is not passed off as text
         seen_whole |= full.finish_reason in ("tool_calls", "stop")
@@ -260,13 +268,9 @@ def test_an_auto_call_streamed_and_not_is_one_message_at_every_length(client):
         kw = dict(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
                   tool_choice="auto", max_tokens=max_tokens, temperature=0,
                   extra_body={"structured_outputs": {"regex": regex}})
-        full = client.chat.completions.create(**kw).choices[0]
-        content, calls, finish, _ = _streamed(client, **kw)
+        full = _one_message(client, **kw)
         msg = full.message
-        want = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
-        assert [(c["name"], c["arguments"]) for c in calls] == want, (max_tokens, calls, want)
-        assert (content or None, finish) == (msg.content or None, full.finish_reason), max_tokens
-        if full.finish_reason == "length" and want:
+        if full.finish_reason == "length" and msg.tool_calls:
             seen_cut = True
             assert msg.content == "Ok. "  # the cut tag and JSON are not passed off as text
     assert seen_cut and full.finish_reason == "tool_calls"

@@ -396,7 +396,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def _server(config: Any, on_exit: Callable[[], None] | None) -> Any:
     """uvicorn's server, telling the engine cores the stop was asked for the moment SIGINT or
     SIGTERM reaches the front end: a core in the same process group may exit on the same

@@ -247,9 +247,7 @@ class EngineCoreClient:
             err = EngineDeadError(f"the engine core process was stopped by {signal.Signals(-code).name}")
         else:
             err = EngineDeadError(f"the engine core process exited (code {code})")
-        self._mark_dead(err)
-        if self._on_dead is not None:
-            self._on_dead(self.index, err)
+        self._fail(err)
         # None: shutdown() reaped the process first (its join runs in another thread).
         if (signalled or code in (0, None)) and self._stopping.wait(STOP_GRACE_S):
             logger.info("engine core %d stopped with the server", self.index)
@@ -257,8 +255,12 @@ class EngineCoreClient:
             level = logging.WARNING if signalled else logging.ERROR
             logger.log(level, "engine core %d is dead: %s", self.index, err)
 
-    def _died(self, err: BaseException, level: int = logging.ERROR) -> None:
-        logger.log(level, "engine core %d is dead: %s", self.index, err)
+    def _died(self, err: BaseException) -> None:
+        logger.error("engine core %d is dead: %s", self.index, err)
+        self._fail(err)
+
+    def _fail(self, err: BaseException) -> None:
+        """Every pending ack and query fails with ``err``, and the front end hears of it."""
         self._mark_dead(err)
         if self._on_dead is not None:
             self._on_dead(self.index, err)

@@ -26,18 +26,18 @@ def load_tokenizer(path: str | Path):
     """The folder's own tokenizer (tokenizer.json etc.), never downloaded."""
     from transformers import AutoTokenizer
 
-    _check_json_files(Path(path))
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers and tokenizers raise many types for a damaged file
+        _check_json_files(Path(path))  # only on failure: a good start parses tokenizer.json once
         raise ConfigError(f"cannot load the tokenizer from {path}: {e}") from None
     bound_bpe_cache(tok)
     return tok
 
 
 def _check_json_files(folder: Path) -> None:
-    """A damaged tokenizer JSON file is named in the error (transformers' own message does
-    not say which of the folder's files it was reading)."""
+    """After a failed load: a damaged tokenizer JSON file is named in the error (transformers'
+    own message does not say which of the folder's files it was reading)."""
     if not folder.is_dir():
         return
     for name in _TOKENIZER_JSON:

@@ -59,11 +59,11 @@ def _cookie_token(api_key: str, secret: bytes) -> str:
     return hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()
 
 
-def _check_key(request: Request, api_key: str | None, secret: bytes = b"") -> JSONResponse | None:
+def _check_key(request: Request, api_key: str | None, secret: bytes) -> JSONResponse | None:
     if api_key is None:
         return None
     cookie = request.cookies.get(COOKIE)
-    if cookie is not None and secret and hmac.compare_digest(cookie.encode(), _cookie_token(api_key, secret).encode()):
+    if cookie is not None and hmac.compare_digest(cookie.encode(), _cookie_token(api_key, secret).encode()):
         return None
     auth = request.headers.get("authorization", "")
     scheme, _, key = auth.partition(" ")

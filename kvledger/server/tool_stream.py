@@ -8,8 +8,8 @@ re-parsing. The arguments are re-spelled the way the non-streamed response spell
 (json_stream.JsonCanonicalizer), and when the choice ends its whole text is parsed exactly as
 without streaming and only the missing rest is sent: the fragments add up to the non-streamed
 ``tool_calls`` and content. When max_tokens cuts a call short (forced, or auto with a parser),
-the non-streamed answer is read by this same reader (``_so_far``): the calls as far as they were generated, so the
-stream and the whole response still agree. Otherwise what was sent cannot be taken back: if an
+the non-streamed answer is read by this same reader (``tool_message``): the calls as far as
+they were generated, so the stream and the whole response still agree. Otherwise what was sent cannot be taken back: if an
 auto-parsed text does not parse in the end, the stream has shown the start of a call, as in
 vLLM; this is logged.
 """
@@ -381,8 +381,3 @@ def _so_far(choice: ToolChoice, parser: str | None, text: str) -> tuple[str, lis
         stream._reader.send(c)
     sent = stream.content_sent + stream._content
     return sent, [ToolCall(call.name, call.sent) for call in stream.calls if call.name is not None]
-
-
-def calls_so_far(choice: ToolChoice, text: str) -> list[ToolCall]:
-    """The named calls a stream of ``text`` has sent, arguments as far as they were sent."""
-    return _so_far(choice, None, text)[1]
