@@ -1,4 +1,4 @@
-"""When the native row-wise GEMM takes a product whole instead of oneDNN (gemm_rows.small_gemm_whole).
+"""When the native row-wise GEMM takes a product whole instead of oneDNN (gemm_dispatch.small_gemm_whole).
 
 oneDNN runs a product on its row bucket (gemm_rows.gemm_rows_bucket: up to 12.5 % padding rows
 above 256 rows); the native kernel runs the rows exactly. Two parts, each printing both figures
@@ -7,7 +7,7 @@ and their ratio:
 1. Kernels: the 60M model's four layer weights summed (hot weights, calls alternated), the
    native kernel on m rows against oneDNN on the same rows padded to their bucket.
 2. Steps: the 60M model in-process, one mixed or prefill step at a time, the rule on and off
-   alternated step by step in one process (off: gemm_rows.small_gemm_whole answers False).
+   alternated step by step in one process (off: gemm_dispatch.small_gemm_whole answers False).
 
     python -m benchmarks.gemm_whole [--dtype float32|bfloat16] [--rows 288,1300,2048] [--steps]
 """
@@ -21,7 +21,7 @@ import time
 import torch
 
 from benchmarks.common import ensure_model, interleaved_ms, print_header
-from kvledger.kernels import gemm_rows, native
+from kvledger.kernels import gemm_dispatch, native
 from kvledger.kernels.gemm_rows import gemm_rows_bucket
 from kvledger.storage import host_memory
 
@@ -53,7 +53,7 @@ def kernels(dtype: torch.dtype, rows: list[int]) -> None:
             )
             for a in total:
                 total[a] += t[a]
-        rule = gemm_rows.small_gemm_whole(m, mp, dtype)
+        rule = gemm_dispatch.small_gemm_whole(m, mp, dtype)
         print(
             f"m {m:5d} (bucket {mp:5d}): native {total['native']:7.2f} ms  oneDNN {total['oneDNN']:7.2f} ms  "
             f"native/oneDNN {total['native'] / total['oneDNN']:.3f}  rule takes native: {rule}"
@@ -61,13 +61,17 @@ def kernels(dtype: torch.dtype, rows: list[int]) -> None:
 
 
 def steps(dtype: str) -> None:
+    import os
+
     from kvledger import LLM, SamplingParams
+
+    os.environ["KVLEDGER_GEMM_DISPATCH"] = "builtin"  # the rule switched below is the builtin one
 
     print(f"== whole steps ({dtype}), the rule on vs off, alternated step by step")
     llm = LLM(str(ensure_model("bench-60m")), dtype=dtype, block_size=32, kv_cache_memory=1 << 30, max_model_len=1024)
     eng = llm.llm_engine
     eng.executor.worker.kv_pool.populate()  # as `kvledger serve` does: no first-touch page faults in the steps timed
-    rule = gemm_rows.small_gemm_whole
+    rule = gemm_dispatch.small_gemm_whole
     g = torch.Generator().manual_seed(0)
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
     for ndec, prompts in STEPS:
@@ -80,20 +84,20 @@ def steps(dtype: str) -> None:
         try:
             for rep in range(12):
                 arm = "on" if rep % 2 else "off"
-                gemm_rows.small_gemm_whole = rule if arm == "on" else (lambda m, p, d: False)
+                gemm_dispatch.small_gemm_whole = rule if arm == "on" else (lambda m, p, d: False)
                 for j, n in enumerate(prompts):
                     eng.add_request(torch.randint(10, 30000, (n,), generator=g).tolist(), one, request_id=f"p{rep}-{j}")
                 t = time.perf_counter()
                 eng.step()
                 if rep >= 2:
                     times[arm].append(time.perf_counter() - t)
-                gemm_rows.small_gemm_whole = rule
+                gemm_dispatch.small_gemm_whole = rule
                 if ndec:
                     eng.step()
                 while not ndec and eng.has_unfinished_requests():
                     eng.step()
         finally:
-            gemm_rows.small_gemm_whole = rule
+            gemm_dispatch.small_gemm_whole = rule
         for rid in list(eng.groups):
             eng.abort_request(rid)
         while eng.has_unfinished_requests():

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from kvledger.errors import KVLedgerError
 
-COMMANDS = ["plan", "generate", "simulate", "serve", "router"]
+COMMANDS = ["plan", "generate", "simulate", "serve", "router", "doctor"]
 
 
 class _Parser(argparse.ArgumentParser):

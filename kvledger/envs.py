@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # what each attribute returns (read by ``__getattr__`` below)
     KVLEDGER_NATIVE: bool
     KVLEDGER_NATIVE_ISA: str | None
     KVLEDGER_FUSED_LAYER: bool
+    KVLEDGER_GEMM_DISPATCH: str
+    KVLEDGER_BATCH_INVARIANT: bool
     KVLEDGER_CACHE_DIR: Path
     KVLEDGER_CACHE: str | None
     KVLEDGER_MALLOPT: bool
@@ -91,6 +93,18 @@ def _connect_timeout() -> float:
     return value
 
 
+GEMM_DISPATCH_MODES = ("calibrated", "builtin", "native", "onednn")
+
+
+def _gemm_dispatch() -> str:
+    value = os.environ.get("KVLEDGER_GEMM_DISPATCH") or "calibrated"
+    if value not in GEMM_DISPATCH_MODES:
+        raise ConfigError(
+            f"KVLEDGER_GEMM_DISPATCH must be one of {', '.join(GEMM_DISPATCH_MODES)}, got {value!r}"
+        )
+    return value
+
+
 def _start_method() -> str:
     value = os.environ.get("KVLEDGER_ENGINE_START_METHOD") or "fork"
     if value not in START_METHODS:
@@ -148,6 +162,20 @@ environment_variables: dict[str, EnvVar] = {
         "bool",
         "1",
         "0 runs decoder layers through the modules, not one native call each (read each step)",
+    ),
+    "KVLEDGER_GEMM_DISPATCH": EnvVar(
+        _gemm_dispatch,
+        "str",
+        "calibrated",
+        "which kernel takes a CPU product of m rows: calibrated (timed on this machine at first "
+        "start, cached), builtin (rules measured on Zen 4), native or onednn (forced)",
+    ),
+    "KVLEDGER_BATCH_INVARIANT": EnvVar(
+        lambda: os.environ.get("KVLEDGER_BATCH_INVARIANT", "0") not in ("", "0"),
+        "bool",
+        "0",
+        "1: every CPU product the native kernel can take takes it, prefill rows included, so a "
+        "request's outputs are the same bits alone and in any batch (vLLM's VLLM_BATCH_INVARIANT)",
     ),
     "KVLEDGER_CACHE_DIR": EnvVar(
         _cache_dir,

@@ -16,6 +16,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Which kernel takes a product must not depend on how busy the machine was when a test started:
+# the suite runs the builtin rules, and tests/test_gemm_dispatch.py runs the calibrated dispatch
+# (the default for users) on purpose.
+os.environ.setdefault("KVLEDGER_GEMM_DISPATCH", "builtin")
 # The test models are tiny (hidden <= 256): one thread is faster than two, and it keeps the
 # suite stable when the machine is shared (OpenMP threads spin-wait on a busy core).
 torch.set_num_threads(1)

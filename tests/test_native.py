@@ -690,15 +690,19 @@ def test_bf16_rms_norm_matches_hf_composite(isa, shape):
 
 
 @needs_native
-def test_bf16_request_alone_is_bit_identical_to_the_same_request_in_a_full_batch(stories_path):
-    """bfloat16 end to end (native GEMM, RMSNorm, RoPE, SiLU and paged decode in bf16): every
-    request's tokens and log-probabilities are the same bits alone as among 24 (decode steps of
-    more than 16 rows, mixed prefill + decode steps). The prefix cache is off: a hit changes
-    how a prompt is chunked (cached context + the rest vs one causal chunk), which moves bf16
-    bits (not float32 tokens) whatever the batch."""
+def test_bf16_request_alone_is_bit_identical_to_the_same_request_in_a_full_batch(isa, stories_path, monkeypatch):
+    """bfloat16 end to end (native GEMM, RMSNorm, RoPE, SiLU and paged decode in bf16) with batch
+    invariance on (KVLEDGER_BATCH_INVARIANT): every request's tokens and log-probabilities are the
+    same bits alone as among 24 (decode steps of more than 16 rows, mixed prefill + decode steps),
+    in every build this CPU runs: without it a prompt's prefill rows go where the GEMM dispatch
+    sends them (oneDNN, whose bf16 bits change with the row count, on the builds without
+    vdpbf16ps). The prefix cache is off: a hit changes how a prompt is chunked (cached context +
+    the rest vs one causal chunk), which moves bf16 bits (not float32 tokens) whatever the batch."""
     from test_engine_batching import mixed_workload
 
     from kvledger import LLM, SamplingParams
+
+    monkeypatch.setenv("KVLEDGER_BATCH_INVARIANT", "1")
 
     prompts, params = mixed_workload(24, seed=5)
     params = [SamplingParams(temperature=0, max_tokens=sp.max_tokens + 16, ignore_eos=True, logprobs=0) for sp in params]

@@ -132,6 +132,7 @@ def _build(config: EngineConfig, device: torch.device, tokenizer_job: Future) ->
         layer_slot=lay.layer_slot if lay.is_hybrid else None,
         rope_long_from=_rope_long_from(loaded),
         warm_up_gemm_rows=(sc.max_num_batched_tokens, sc.max_num_seqs) if config.warm_up_gemm_shapes else None,
+        gemm_dispatch_rows=sc.max_num_batched_tokens,
         populate_kv_cache=config.populate_kv_cache,
     )
     executor = _start_workers(config, spec, worker, facts, device, backend)
@@ -277,6 +278,8 @@ def _start_workers(
                 "KV pool mapped at start-up: %.2f GiB in %.2f s",
                 worker.kv_pool.num_bytes / 2**30, time.perf_counter() - t0,
             )
+        if worker.ready.gemm_dispatch:
+            logger.info("%s", worker.ready.gemm_dispatch)
         if spec.warm_up_gemm_rows is not None and device.type == "cpu":
             logger.info("oneDNN GEMM shapes created at start-up: %d", worker.ready.gemm_shapes_warmed)
         from kvledger.executor.local import LocalExecutor
@@ -293,6 +296,8 @@ def _start_workers(
         spec, tp, config.distributed_executor_backend or "mp", config.tp_driver_address,
         step_timeout_s=config.tp_step_timeout,
     )  # fmt: skip
+    if ex.ranks and ex.ranks[0].gemm_dispatch:
+        logger.info("rank 0: %s", ex.ranks[0].gemm_dispatch)
     if spec.warm_up_gemm_rows is not None:
         logger.info("oneDNN GEMM shapes created at start-up per rank: %s",
                     [r.gemm_shapes_warmed for r in ex.ranks])

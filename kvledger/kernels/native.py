@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvledger.kernels.gemm_rows import empty_rows
+from kvledger.kernels.gemm_rows import RowInvariance, empty_rows
 from kvledger.kernels.native_build import library
 
 # Element codes of csrc/simd.h.
@@ -97,16 +97,16 @@ def rope_(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, invariant_rows: int = 0
+    x: torch.Tensor, weight: torch.Tensor, eps: float, rows: RowInvariance | None = None
 ) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dim (a multiple of 8); x and weight both
     float32 or both bfloat16 (normalised in float32, rounded, then times the weight: HF's order).
-    A 2-D result feeds a GEMM: allocated with its padding rows (gemm_rows.empty_rows; the step's
-    ``invariant_rows`` say which products pad nothing)."""
+    A 2-D result feeds a GEMM: allocated with its padding rows (gemm_rows.empty_rows; the model's
+    ``rows`` say which products pad nothing)."""
     x = x.contiguous()
     n = x.shape[-1]
     if x.dim() == 2:  # feeds a GEMM
-        y = empty_rows(x.shape[0], n, x.dtype, invariant_rows=invariant_rows)
+        y = empty_rows(x.shape[0], n, x.dtype, rows=rows)
     else:
         y = torch.empty_like(x)
     lib = library()
@@ -118,14 +118,14 @@ def rms_norm(
     return y
 
 
-def silu_mul(gate_up: torch.Tensor, invariant_rows: int = 0) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, rows: RowInvariance | None = None) -> torch.Tensor:
     """silu(gate) * up for a contiguous [rows, 2 * inter] float32/bfloat16 tensor of [gate | up]
     rows, allocated as the down projection's input (see rms_norm)."""
-    rows, width = gate_up.shape
-    out = empty_rows(rows, width // 2, gate_up.dtype, invariant_rows=invariant_rows)
+    m, width = gate_up.shape
+    out = empty_rows(m, width // 2, gate_up.dtype, rows=rows)
     lib = library()
     fn = lib.kvl_silu_mul_bf16 if _bf16(gate_up) else lib.kvl_silu_mul
-    _check(fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()), "silu_mul")
+    _check(fn(gate_up.data_ptr(), out.data_ptr(), m, width // 2, torch.get_num_threads()), "silu_mul")
     return out
 
 

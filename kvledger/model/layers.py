@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvledger.kernels import native
-from kvledger.kernels.gemm_rows import RowInvariance, gemm_rows_bucket, row_wise, rows_view
+from kvledger.kernels.gemm_rows import RowInvariance, gemm_rows_bucket, rows_view
 from kvledger.storage import host_memory
 
 
@@ -177,7 +177,8 @@ def warm_up_gemm_shapes(
     (~0.15 s): small models, where the cache dwarfs the weights, are warmed completely; large
     ones warm their common sizes, and the rest of their cache stays small next to their weights.
     Layer weights see up to ``max_rows`` rows (a step's token budget), the LM head ``head_rows``
-    (one per sampled request); row counts the native kernel takes (row_wise) need no primitive.
+    (one per sampled request); row counts the native kernel takes (the model's dispatch, so warm up
+    after it is set) need no primitive.
     Returns (GEMMs run, of how many shapes in all).
     """
     head = model.head
@@ -192,7 +193,7 @@ def warm_up_gemm_shapes(
     todo = []
     for lin, rows in shapes.values():
         dt = lin.weight.dtype
-        big = (r for r in range(1, rows + 1) if not (lin.native_small and row_wise(r, dt)))
+        big = (r for r in range(1, rows + 1) if not (lin.native_small and lin.row_invariance.row_wise(r, dt)))
         todo += [(b, lin) for b in sorted({gemm_rows_bucket(r) for r in big})]
     todo.sort(key=lambda t: t[0])
     spent, done = 0.0, 0
@@ -257,7 +258,7 @@ class RMSNorm(nn.Module):
             return self._forward_offset(x)
         input_dtype = x.dtype
         if x.shape[-1] % 8 == 0 and native.available(x) and self.weight.dtype == input_dtype:
-            return native.rms_norm(x, self.weight, self.eps, self.row_invariance.rows)
+            return native.rms_norm(x, self.weight, self.eps, self.row_invariance)
         if input_dtype == torch.float32 and self.weight.dtype == torch.float32:
             # The fused kernel gives the same bits as HF's composite in float32, in one op.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -271,7 +272,7 @@ class RMSNorm(nn.Module):
             self._scale = 1.0 + self.weight.detach().float()
         if x.dtype == torch.float32:
             if x.shape[-1] % 8 == 0 and native.available(x):
-                return native.rms_norm(x, self._scale, self.eps, self.row_invariance.rows)
+                return native.rms_norm(x, self._scale, self.eps, self.row_invariance)
             return F.rms_norm(x, self._scale.shape, self._scale, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -518,6 +519,6 @@ class GatedMLP(nn.Module):
             and gate_up.dim() == 2
             and native.available(gate_up)
         ):
-            return self.down_proj(native.silu_mul(gate_up.contiguous(), self.row_invariance.rows))
+            return self.down_proj(native.silu_mul(gate_up.contiguous(), self.row_invariance))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvledger import envs
 from kvledger.hf.config import ModelConfig
 from kvledger.kernels import native
 from kvledger.kernels.gemm_rows import RowInvariance
@@ -171,8 +172,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         # This model's bf16 batch invariance (gemm_rows.RowInvariance): set around each forward,
         # read by the modules and the attention backend built with it. Per model, never global:
-        # a second model in the process (a draft model) has its own.
-        self.row_invariance = RowInvariance()
+        # a second model in the process (a draft model) has its own. Its GEMM dispatch is set
+        # once the weights are packed (model/gemm_calibration.py, by the worker).
+        self.row_invariance = RowInvariance(batch_invariant=envs.KVLEDGER_BATCH_INVARIANT)
         self.model = LlamaModel(cfg, self.row_invariance)
         rows = self.row_invariance
         self.lm_head = (

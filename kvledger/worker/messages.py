@@ -39,6 +39,9 @@ class WorkerSpec:
     # `kvledger serve`: (max rows of a step, max sampled rows) - create every oneDNN GEMM shape
     # at start-up (model/layers.warm_up_gemm_shapes; issue 23). None: no.
     warm_up_gemm_rows: tuple[int, int] | None = None
+    # The most rows a step's products have (max_num_batched_tokens): how far the GEMM dispatch is
+    # calibrated (model/gemm_calibration.py). 0: no dispatch is chosen (the builtin rules).
+    gemm_dispatch_rows: int = 0
     # `kvledger serve`: map the whole KV pool at start-up (KVCachePool.populate).
     populate_kv_cache: bool = False
     # CUDA graphs of decode steps for up to this many requests (0: none; worker/cuda_graphs.py).
@@ -62,6 +65,7 @@ class WorkerReady:
     host_pool_bytes: int
     weight_bytes: int
     gemm_shapes_warmed: int = 0  # GEMMs run at start-up by warm_up_gemm_rows
+    gemm_dispatch: str = ""  # which kernel takes which rows (GemmDispatch.describe), CPU only
 
 
 @dataclass

@@ -12,6 +12,7 @@ import socket
 import torch
 
 from kvledger.core.sched_output import SchedulerOutput
+from kvledger.model.gemm_calibration import model_dispatch
 from kvledger.model.layers import can_pack_linear, warm_up_gemm_shapes
 from kvledger.model.loader import LoadedModel, load_model
 from kvledger.storage import host_memory
@@ -87,6 +88,11 @@ class Worker:
         )
         if spec.populate_kv_cache and self.device.type == "cpu":
             pool.populate()
+        dispatch = ""
+        if spec.gemm_dispatch_rows and self.device.type == "cpu":
+            rows = model.row_invariance
+            rows.dispatch = model_dispatch(model, spec.gemm_dispatch_rows)
+            dispatch = rows.dispatch.describe(spec.gemm_dispatch_rows, self.loaded.dtype)
         warmed = 0
         if spec.warm_up_gemm_rows is not None and self.device.type == "cpu":
             warmed = warm_up_gemm_shapes(model, *spec.warm_up_gemm_rows)[0]
@@ -113,6 +119,7 @@ class Worker:
             host_pool_bytes=0 if self.host_pool is None else self.host_pool.data.numel(),
             weight_bytes=_tensor_bytes(model.parameters()),
             gemm_shapes_warmed=warmed,
+            gemm_dispatch=dispatch,
         )
         return self.ready
 
