@@ -85,13 +85,13 @@ def run(args: argparse.Namespace) -> int:
     if args.recalibrate and mode == "calibrated":
         linears = gemm_calibration.layer_linears(loaded.model)
         d = gemm_calibration.measure(linears, dtype, top) if linears else GemmDispatch("builtin")
-        if linears:
+        if linears and not d.noisy:
             gemm_calibration.remember(loaded.model, top, d)
     else:
         d = gemm_calibration.model_dispatch(loaded.model, top, mode)
     info["model"], info["dtype"] = args.model, dtype_name(dtype)
     info["dispatch"] = {
-        "mode": d.mode, "source": d.source, "seconds": d.seconds, "tolerance": TOLERANCE,
+        "mode": d.mode, "source": d.source, "seconds": d.seconds, "noisy": d.noisy, "tolerance": TOLERANCE,
         "rows": list(d.rows), "native_ms": list(d.native_ms), "onednn_ms": list(d.library_ms),
         "ranges": [{"first": a, "last": b, "kernel": "native" if n else "onednn"} for a, b, n in d.ranges(top, dtype)],
     }  # fmt: skip
@@ -114,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nGEMM dispatch for {args.model} ({info['dtype']}), KVLEDGER_GEMM_DISPATCH={mode}:")
     if d.mode == "calibrated":
         how = f"measured in {d.seconds:.2f} s" if d.seconds else f"read from {d.source}"
+        if d.noisy:
+            how += "; unsteady timings (the cores busy?), so not cached: run again on a quiet machine"
         print(f"  one decoder layer's products, fastest of several rounds ({how}):")
         print(f"  {'rows':>6} {'native ms':>10} {'oneDNN ms':>10} {'ratio':>6}  takes")
         for m, a, b in zip(d.rows, d.native_ms, d.library_ms, strict=True):

@@ -71,6 +71,7 @@ class GemmDispatch:
     library_ms: tuple[float, ...] = ()
     seconds: float = 0.0  # what the calibration took (0: read from the cache or not calibrated)
     source: str = ""  # "measured", the cache file's path, or why it is builtin
+    noisy: bool = False  # measured while the cores were busy (then not cached)
     _table: bytes = field(default=b"", repr=False, compare=False)
 
     def __post_init__(self) -> None:
