@@ -56,6 +56,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         intermediate_size=1792,
     ),
+    # 20 x 1024, GQA 16/4, head_dim 64: ~228M params, the bandwidth-bound size of issue 42's
+    # quantised-weight figures (its weights stream from memory at every decode step).
+    "bench-230m": dict(
+        num_hidden_layers=20,
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=1792,
+    ),
     # 6 x 384, GQA 6/2, head_dim 64: 31.36M params (issue 3 asks for 20-50M).
     "bench-30m": dict(
         num_hidden_layers=6,

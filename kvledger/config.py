@@ -134,6 +134,9 @@ class EngineConfig:
     tp_driver_address: str | None = None
     tp_worker_threads: int | None = None
     tp_step_timeout: float = 60.0
+    # vLLM's --quantization, applied on the fly to a float checkpoint: None or "int8" (W8A8,
+    # model/quant_int8.py). Checkpoints that carry a quantization_config are read as they are.
+    quantization: str | None = None
 
     def validate(self) -> None:
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
@@ -157,8 +160,18 @@ class EngineConfig:
             _positive("tp_worker_threads", self.tp_worker_threads)
         if not (isinstance(self.tp_step_timeout, int | float) and self.tp_step_timeout > 0):
             raise ConfigError(f"tp_step_timeout must be > 0 seconds, got {self.tp_step_timeout!r}")
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATION_METHODS)
+            if self.tensor_parallel_size > 1:
+                raise ConfigError(
+                    f"quantization {self.quantization!r} with tensor_parallel_size > 1 is not supported "
+                    "yet: each rank would scale its own slice of a row differently from one process"
+                )
         self.scheduler.validate()
         self.cache.validate()
+
+
+QUANTIZATION_METHODS = ("int8",)  # on the fly; model/quant_int8.SUPPORTED
 
 
 def _positive(name: str, value: int) -> None:

@@ -73,3 +73,25 @@ def stories_path() -> Path:
     if not (STORIES / "config.json").exists():
         pytest.skip(f"stories260k not found at {STORIES}")
     return STORIES
+
+
+def _cpu_isas() -> list[str]:
+    from kvledger.kernels import native_build
+
+    return native_build.cpu_isas() or ["none"]
+
+
+@pytest.fixture(params=_cpu_isas())
+def isa(request, monkeypatch):
+    """Run the test with the native kernels built for one instruction set (each one this CPU
+    runs: KVLEDGER_NATIVE_ISA)."""
+    from kvledger.kernels import native
+
+    if request.param == "none" or native.library() is None:
+        pytest.skip("native kernels unavailable here")
+    monkeypatch.setenv("KVLEDGER_NATIVE_ISA", request.param)
+    native.library.cache_clear()
+    assert native.library().isa == request.param
+    yield request.param
+    monkeypatch.undo()
+    native.library.cache_clear()

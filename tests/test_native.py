@@ -25,19 +25,6 @@ needs_native = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=native_build.cpu_isas() or ["none"])
-def isa(request, monkeypatch):
-    """Run the test with the kernels built for one instruction set."""
-    if request.param == "none" or native.library() is None:
-        pytest.skip("native kernels unavailable here")
-    monkeypatch.setenv("KVLEDGER_NATIVE_ISA", request.param)
-    native.library.cache_clear()
-    assert native.library().isa == request.param
-    yield request.param
-    monkeypatch.undo()
-    native.library.cache_clear()
-
-
 @needs_native
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 64])
 @pytest.mark.parametrize(("n", "k"), [(1, 8), (37, 64), (600, 24), (130, 1040)])

@@ -18,6 +18,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", default=None, help="KV pool size in bytes (e.g. 2GiB); default: sized from free memory"
     )
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "fp8_int8"])
+    g.add_argument(
+        "--quantization", "-q", default=None, choices=["int8"],
+        help="quantise a float checkpoint's layer weights at load: int8 = W8A8 (per-channel int8 "
+        "weights, dynamic per-token int8 activations; vLLM's name)",
+    )  # fmt: skip
     g.add_argument("--kv-sink-tokens", type=int, default=4)
     g.add_argument("--kv-recent-tokens", type=int, default=0)
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped blocks")
@@ -104,6 +109,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "kv_sink_tokens": args.kv_sink_tokens,
         "kv_recent_tokens": args.kv_recent_tokens,
         "swap_space": args.swap_space,

@@ -95,6 +95,7 @@ def _build(config: EngineConfig, device: torch.device, tokenizer_job: Future) ->
     spec = WorkerSpec(
         model=config.model, dtype=config.dtype, device=config.device, max_model_len=None,
         block_size=cc.block_size, attention_backend=backend, seed=config.seed,
+        quantization=config.quantization,
     )  # fmt: skip
     worker = None
     if tp == 1:

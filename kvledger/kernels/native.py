@@ -472,3 +472,40 @@ def paged_prefill(
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"paged_prefill: unsupported arguments (q {tuple(q.shape)}, cache {tuple(kc.shape)})")
+
+
+def quantize_rows_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of a [M, K] float32/bfloat16 tensor: (codes int8 [M, K], scales
+    float32 [M]), exactly model/quant_int8.quantize_rows' values."""
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    s = torch.empty(m, dtype=torch.float32)
+    lib = library()
+    _check(lib.kvl_quantize_rows_i8(x.data_ptr(), int(_bf16(x)), q.data_ptr(), s.data_ptr(), m, k,
+                                    torch.get_num_threads()), "quantize_rows_i8")
+    return q, s
+
+
+def int8_gemm(
+    xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, wsum: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """((xq @ wq^T as int32) * xs[:, None]) * ws[None, :] (+ bias) in out_dtype (float32 or
+    bfloat16; bias of that dtype): int8 codes [M, K] and [N, K], float32 scales, wsum the int32 row
+    sums of wq (csrc/int8_gemm.c)."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    if wq.shape[1] != k or out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"int8_gemm: x {tuple(xq.shape)} against weight {tuple(wq.shape)} to {out_dtype}")
+    y = torch.empty(m, n, dtype=out_dtype)
+    lib = library()
+    _check(
+        lib.kvl_int8_gemm(
+            xq.data_ptr(), xs.data_ptr(), wq.data_ptr(), ws.data_ptr(), wsum.data_ptr(),
+            None if bias is None else bias.data_ptr(), int(out_dtype == torch.bfloat16), y.data_ptr(),
+            m, n, k, torch.get_num_threads(),
+        ),
+        "int8_gemm",
+    )  # fmt: skip
+    return y

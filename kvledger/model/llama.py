@@ -285,6 +285,20 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def quantize_layers(self, method: str) -> None:
+        """Store every decoder-layer projection in ``method`` (model/quant_int8.py); the embedding
+        and the LM head stay as loaded, as vLLM keeps them."""
+        from kvledger.errors import ConfigError
+        from kvledger.model.quant_int8 import check_method
+
+        check_method(method)
+        if any(isinstance(m, SparseMoE) for m in self.modules()):
+            raise ConfigError(f"quantization {method!r}: mixture-of-experts layers are not supported yet")
+        for layer in self.model.layers:
+            for m in layer.modules():
+                if isinstance(m, Linear):
+                    m.quantize_int8()
+
     def pack_linears(self) -> None:
         """Pack every matmul weight for oneDNN and the native kernel (see Linear.pack); a tied
         LM head gets its own packed copies, and the embedding looks tokens up in the head's

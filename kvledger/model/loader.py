@@ -156,12 +156,14 @@ def load_model(
     max_model_len: int | None = None,
     pack_linear: bool = True,
     weights: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load an HF Llama-family folder. max_model_len caps the context (and the RoPE table);
     by default it is the model's limit (max_position_embeddings, or a sliding window if smaller).
     pack_linear: on CPU in float32, pack matmul weights for oneDNN (Linear.pack).
     weights=False: the model stays on the meta device (a tensor-parallel driver needs only its
-    shape; the ranks load their shards)."""
+    shape; the ranks load their shards). quantization: "int8" stores the decoder layers' weights
+    as W8A8 (model/quant_int8.py), before the rest is packed."""
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"model folder {path} does not exist")
@@ -183,6 +185,8 @@ def load_model(
         model = LlamaForCausalLM(cfg, max_positions=max_model_len, rope_device=device)
     if weights:
         load_weights(model, path, torch_dtype, device, hf_config)
+        if quantization is not None:
+            model.quantize_layers(quantization)
     model.eval()
     if weights and pack_linear and can_pack_linear(torch_dtype, device):
         model.pack_linears()

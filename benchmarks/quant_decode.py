@@ -1,0 +1,71 @@
+"""Decode speed of W8A8 weights (``quantization="int8"``) against the same model in bf16 (issue 42).
+
+One process, both engines built side by side on the same random-weight model (bench-230m: 20 x
+1,024, ~228M parameters, big enough that a decode step streams its weights from memory), runs
+alternated round by round, medians quoted with their ratio:
+
+- single stream: one 32-token prompt, greedy; decode tok/s from the time of 65 tokens less the
+  time of 1 (the prefill and first token), so prefill is not counted;
+- 64 streams: 64 prompts of 32 tokens, 32 new tokens each, output tok/s of the whole batch.
+
+    python -m benchmarks.quant_decode [--model bench-230m] [--rounds 3] [--arms bfloat16,int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from benchmarks.common import ensure_model, print_header
+
+
+def _engine(path: str, arm: str):
+    from kvledger import LLM
+
+    kw = {"dtype": "float32"} if arm == "float32" else {"dtype": "bfloat16"}
+    if arm == "int8":
+        kw["quantization"] = "int8"
+    return LLM(path, kv_cache_memory=1 << 30, calibrate_preemption=False, enable_prefix_caching=False, **kw)
+
+
+def _seconds(llm, prompts: list[list[int]], new: int) -> float:
+    from kvledger import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="bench-230m")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--arms", default="bfloat16,int8")
+    args = ap.parse_args()
+    print_header("W8A8 decode vs bf16, same model, same run")
+    path = str(ensure_model(args.model))
+    arms = args.arms.split(",")
+    engines = {a: _engine(path, a) for a in arms}
+    one = [[(7 * i) % 31000 + 10 for i in range(32)]]
+    many = [[(7 * i + 13 * j) % 31000 + 10 for i in range(32)] for j in range(64)]
+    single: dict[str, list[float]] = {a: [] for a in arms}
+    batch: dict[str, list[float]] = {a: [] for a in arms}
+    for a in arms:  # warm-up: oneDNN primitives, first-touch pages
+        _seconds(engines[a], one, 8)
+    for _ in range(args.rounds):
+        for a in arms:
+            single[a].append(64 / (_seconds(engines[a], one, 65) - _seconds(engines[a], one, 1)))
+            batch[a].append(64 * 32 / _seconds(engines[a], many, 32))
+    base = arms[0]
+    for name, figs in (("single-stream decode tok/s", single), ("64-stream output tok/s", batch)):
+        med = {a: statistics.median(v) for a, v in figs.items()}
+        print(f"{name}: " + ", ".join(f"{a} {med[a]:.1f}" for a in arms)
+              + "; " + ", ".join(f"{a}/{base} {med[a] / med[base]:.2f}x" for a in arms[1:]))
+    w = {a: engines[a].engine.executor.worker.ready.weight_bytes for a in arms}
+    print("weight bytes: " + ", ".join(f"{a} {w[a] / 2**20:.0f} MiB" for a in arms))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""W8A8 on the fly (``quantization="int8"``, vLLM's ``--quantization``): a float checkpoint's
+decoder-layer weights stored as int8 with one scale per output channel, activations quantised per
+row at each product, int32 accumulation (vLLM's CPU W8A8 and llm-compressor's INT8 scheme:
+symmetric, per-channel weights, dynamic per-token activations).
+
+Why: a CPU decode step streams every weight once, so int8 weights move half the bytes of bf16 and
+a quarter of float32, and the bytes not spent on weights go to the KV pool. The native kernel
+(csrc/int8_gemm.c: VNNI where the CPU has it, exact int16 pairs elsewhere) and the torch reference
+here give the same bits; the reference runs where the kernels do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvledger.kernels import native
+
+SUPPORTED = ("int8",)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A [N, K] weight as int8 codes, float32 scales per output row, and the codes' int32 row
+    sums (the VNNI kernel's correction for its unsigned activations)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    wsum: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.wsum))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8: scale = max|x| / 127 (1 for a zero row), codes = round(x / scale)
+    half to even, clamped to +-127."""
+    xf = x.float()
+    s = xf.abs().amax(dim=-1) / 127.0
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round(xf / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, s
+
+
+def quantize_weight(w: torch.Tensor) -> Int8Weight:
+    q, s = quantize_rows(w.detach())
+    return Int8Weight(q.contiguous(), s.contiguous(), q.to(torch.int32).sum(dim=1, dtype=torch.int32))
+
+
+def int8_gemm_reference(
+    xq: torch.Tensor, xs: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The same arithmetic as csrc/int8_gemm.c in torch: int32 sums (int64 here, exact, then
+    int32), ((float)acc * xs) * ws (+ bias), rounded once to out_dtype."""
+    acc = (xq.to(torch.int64) @ w.q.to(torch.int64).T).to(torch.int32)
+    y = acc.float() * xs[:, None] * w.scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] (float32 or bfloat16) times the int8 weight: the native kernels where they run,
+    else the reference."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if native.available(x2):
+        xq, xs = native.quantize_rows_i8(x2)
+        y = native.int8_gemm(xq, xs, w.q, w.scale, w.wsum, bias, x.dtype)
+    else:
+        xq, xs = quantize_rows(x2)
+        y = int8_gemm_reference(xq, xs, w, bias, x.dtype)
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def check_method(method: str | None) -> str | None:
+    """``quantization`` as given: None, or a method kvledger applies on the fly."""
+    from kvledger.errors import ConfigError
+
+    if method is None or method == "none":
+        return None
+    if method not in SUPPORTED:
+        raise ConfigError(
+            f"quantization {method!r} is not supported on the fly: kvledger applies {', '.join(SUPPORTED)} "
+            "(W8A8: per-channel int8 weights, dynamic per-token int8 activations)"
+        )
+    return method
