@@ -111,3 +111,26 @@ def test_unsupported_quantization_is_refused_with_the_supported_list(stories_pat
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2 and "--quantization" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_plan_counts_the_int8_weights_the_engine_holds(stories_path):
+    """`kvledger plan --quantization int8` predicts the weight bytes the live engine reports, to
+    the byte, and the tokens and requests its smaller weights leave for KV."""
+    import json
+
+    from kvledger import LLM
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvledger", "plan", "--model", str(stories_path), "--quantization", "int8",
+         "--device-memory", "4MiB", "--memory-fraction", "1", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    f = json.loads(out.stdout)
+    live = LLM(str(stories_path), quantization="int8", calibrate_preemption=False)
+    assert f["weight_bytes"] == live.engine.executor.worker.ready.weight_bytes
+    assert f["weight_source"] == "checkpoint, int8 (W8A8)"
+    q = f["quantization"]
+    assert q["unquantized_weight_bytes_per_rank"] > f["weight_bytes"] and q["extra_tokens"] > 0
+    plain = LLM(str(stories_path), calibrate_preemption=False)
+    assert q["unquantized_weight_bytes_per_rank"] == plain.engine.executor.worker.ready.weight_bytes

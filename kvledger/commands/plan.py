@@ -26,6 +26,7 @@ from kvledger.ledger.accounting import (
     plan_capacity,
 )
 from kvledger.ledger.spec import ModelSpec, load_model_spec
+from kvledger.ledger.weights import quantized_weight_bytes
 from kvledger.model.default import DEFAULT_MODEL_NAME, resolve_named_model
 
 AUTO_TP_CANDIDATES = (1, 2, 4, 8)
@@ -64,6 +65,13 @@ def add_parser(subparsers: Any) -> None:
         "--weight-bytes",
         help="total weight size, overriding the model's parameter "
         "count or checkpoint (split across --tp ranks)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["int8"],
+        help="weights stored quantised (kvledger serve --quantization): int8 = W8A8, one byte per "
+        "layer weight plus 8 per output row; shows the tokens and requests gained over the model "
+        "dtype",
     )
     p.add_argument(
         "--activation-reserve",
@@ -197,6 +205,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in [("--block-size", args.block_size), ("--context-len", args.context_len)]:
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} must be positive, got {value}")
+    base_kw = dict(kw)
+    if args.quantization:
+        total, source = _model_weight_bytes(spec, kw["weights"])
+        kw["weights"] = quantized_weight_bytes(spec, args.quantization, total)
     if args.tp == "auto":
         plan = _auto_tp(spec, args, **kw)
     else:
@@ -217,11 +229,42 @@ def run(args: argparse.Namespace) -> int:
         "lengths_source": "given" if given else "sample",
         "heads_comparison": heads_comparison(spec, args, plan.tp, **kw),
     }
+    if args.quantization:
+        plan = replace(plan, weight_source=f"{source}, {args.quantization} (W8A8)")
+        figures.update(weight_source=plan.weight_source, quantization=_quantization_gain(spec, args, plan, **base_kw))
     if args.json:
         print(json.dumps(figures, indent=2))
     else:
         _print_table(spec, plan, figures)
     return 0
+
+
+def _model_weight_bytes(spec: ModelSpec, given: int | None) -> tuple[int, str]:
+    """The whole model's weight bytes in its dtype (given, the checkpoint's, or parameters x
+    dtype), and which of those it is (plan_capacity's weight_source)."""
+    if given is not None:
+        return given, "override"
+    if spec.weight_bytes is not None:
+        return spec.weight_bytes, "checkpoint"
+    if spec.num_params is None:
+        raise ConfigError(f"{spec.name}: parameter count unknown; pass --weight-bytes")
+    return spec.num_params * spec.dtype_bytes, "num_params"
+
+
+def _quantization_gain(spec: ModelSpec, args: argparse.Namespace, plan: CapacityPlan, **kw: Any) -> dict:
+    """The same plan with the weights in the model dtype: what quantising them gains."""
+    try:
+        base = _plan(spec, args, plan.tp, **kw)
+    except DoesNotFitError:
+        base = None
+    return {
+        "method": args.quantization,
+        "weight_bytes_per_rank": plan.weight_bytes,
+        "unquantized_weight_bytes_per_rank": None if base is None else base.weight_bytes,
+        "extra_tokens": plan.max_tokens - (0 if base is None else base.max_tokens),
+        "extra_requests": plan.max_concurrency - (0 if base is None else base.max_concurrency),
+        "unquantized_fits": base is not None,
+    }
 
 
 def _over_budget(plan: CapacityPlan, f: dict) -> str:
@@ -240,6 +283,19 @@ def _over_budget(plan: CapacityPlan, f: dict) -> str:
 def _kib(n: int) -> str:
     """Bytes per token in KiB, as the field quotes them (320 KB for a 70B GQA-8 in FP16)."""
     return f"{n / 1024:,.0f} KiB" if n % 1024 == 0 else f"{n / 1024:,.2f} KiB"
+
+
+def _quantization_rows(spec: ModelSpec, plan: CapacityPlan, f: dict[str, Any]) -> list[tuple[str, str]]:
+    q = f.get("quantization")
+    if not q:
+        return []
+    if not q["unquantized_fits"]:
+        return [(f"{q['method']} vs {spec.dtype}", f"in {spec.dtype} one {plan.context_len:,}-token request does not fit")]
+    return [(
+        f"{q['method']} vs {spec.dtype} weights",
+        f"{format_bytes(q['weight_bytes_per_rank'])} vs {format_bytes(q['unquantized_weight_bytes_per_rank'])}: "
+        f"+{q['extra_tokens']:,} tokens, +{q['extra_requests']:,} requests @ {plan.context_len:,}",
+    )]
 
 
 def _window_rows(plan: CapacityPlan) -> list[tuple[str, str]]:
@@ -315,7 +371,8 @@ def _print_table(spec: ModelSpec, plan: CapacityPlan, f: dict[str, Any]) -> None
             f"KV bytes / block ({plan.block_size} tok)",
             f"{plan.bytes_per_block:,} B = {format_bytes(plan.bytes_per_block)}",
         ),
-        ("weights per rank", f"{format_bytes(plan.weight_bytes)} [{plan.weight_source}]"),
+        ("weights per rank", f"{format_bytes(plan.weight_bytes)} \\[{plan.weight_source}]"),  # "\\[": a literal bracket, not rich markup
+        *_quantization_rows(spec, plan, f),
         (
             "usable memory",
             f"{format_bytes(plan.device_memory_bytes * plan.memory_fraction)} "
