@@ -134,8 +134,8 @@ class EngineConfig:
     tp_driver_address: str | None = None
     tp_worker_threads: int | None = None
     tp_step_timeout: float = 60.0
-    # vLLM's --quantization, applied on the fly to a float checkpoint: None or "int8" (W8A8,
-    # model/quant_int8.py). Checkpoints that carry a quantization_config are read as they are.
+    # vLLM's --quantization, applied on the fly to a float checkpoint: None, "int8" (W8A8,
+    # model/quant_int8.py) or "int4" (weight-only, groups of 32, model/quant_int4.py). Checkpoints that carry a quantization_config are read as they are.
     quantization: str | None = None
 
     def validate(self) -> None:
@@ -171,7 +171,7 @@ class EngineConfig:
         self.cache.validate()
 
 
-QUANTIZATION_METHODS = ("int8",)  # on the fly; model/quant_int8.SUPPORTED
+QUANTIZATION_METHODS = ("int8", "int4")  # on the fly; model/quant_int8.SUPPORTED
 
 
 def _positive(name: str, value: int) -> None:

@@ -78,7 +78,7 @@ def test_an_int8_engine_holds_int8_weights_and_keeps_the_float_models_greedy_tex
     ref = LLM(str(stories_path), calibrate_preemption=False)
     q = LLM(str(stories_path), quantization="int8", calibrate_preemption=False)
     layer = q.engine.executor.worker.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.weight.dtype == torch.int8 and layer.mlp.down_proj.int8 is not None
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.int8 and layer.mlp.down_proj.quant is not None
     assert q.engine.executor.worker.ready.weight_bytes < 0.5 * ref.engine.executor.worker.ready.weight_bytes
     same = sum(a == b for a, b in zip(_tokens(ref, PROMPTS), _tokens(q, PROMPTS), strict=True))
     assert same >= 2
@@ -102,8 +102,8 @@ def test_native_and_reference_int8_engines_give_the_same_tokens(stories_path, mo
 def test_unsupported_quantization_is_refused_with_the_supported_list(stories_path):
     from kvledger import LLM
 
-    with pytest.raises(ConfigError, match="quantization must be one of int8; got 'int4'"):
-        LLM(str(stories_path), quantization="int4")
+    with pytest.raises(ConfigError, match="quantization must be one of int8, int4; got 'int3'"):
+        LLM(str(stories_path), quantization="int3")
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported"):
         LLM(str(stories_path), quantization="int8", tensor_parallel_size=2)
     out = subprocess.run(

@@ -19,9 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "fp8_int8"])
     g.add_argument(
-        "--quantization", "-q", default=None, choices=["int8"],
+        "--quantization", "-q", default=None, choices=["int8", "int4"],
         help="quantise a float checkpoint's layer weights at load: int8 = W8A8 (per-channel int8 "
-        "weights, dynamic per-token int8 activations; vLLM's name)",
+        "weights, dynamic per-token int8 activations; vLLM's name), int4 = weight-only, groups of 32",
     )  # fmt: skip
     g.add_argument("--kv-sink-tokens", type=int, default=4)
     g.add_argument("--kv-recent-tokens", type=int, default=0)

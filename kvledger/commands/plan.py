@@ -68,10 +68,10 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--quantization",
-        choices=["int8"],
+        choices=["int8", "int4"],
         help="weights stored quantised (kvledger serve --quantization): int8 = W8A8, one byte per "
-        "layer weight plus 8 per output row; shows the tokens and requests gained over the model "
-        "dtype",
+        "layer weight plus 8 per output row; int4 = half a byte plus a 4-byte scale per 32; shows "
+        "the tokens and requests gained over the model dtype",
     )
     p.add_argument(
         "--activation-reserve",
@@ -230,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         "heads_comparison": heads_comparison(spec, args, plan.tp, **kw),
     }
     if args.quantization:
-        plan = replace(plan, weight_source=f"{source}, {args.quantization} (W8A8)")
+        label = {"int8": "int8 (W8A8)", "int4": "int4 (groups of 32)"}[args.quantization]
+        plan = replace(plan, weight_source=f"{source}, {label}")
         figures.update(weight_source=plan.weight_source, quantization=_quantization_gain(spec, args, plan, **base_kw))
     if args.json:
         print(json.dumps(figures, indent=2))

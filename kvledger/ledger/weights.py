@@ -2,7 +2,8 @@
 
 The ledger counts what the pool cannot have: a byte of weights is a byte of KV cache fewer. W8A8
 (model/quant_int8.py) holds each decoder-layer projection as one int8 byte per weight plus, per
-output row, a float32 scale and an int32 code sum; the embedding, the LM head and the norms stay in
+output row, a float32 scale and an int32 code sum; int4 (model/quant_int4.py) half a byte per
+weight plus a float32 scale per 32; the embedding, the LM head and the norms stay in
 the model dtype. Torch-free, like the rest of the planner.
 """
 
@@ -11,19 +12,19 @@ from __future__ import annotations
 from kvledger.errors import ConfigError
 from kvledger.ledger.spec import ModelSpec
 
-# bytes per weight, and bytes per output row (scales and sums) of each on-the-fly format
-FORMATS: dict[str, tuple[float, int]] = {"int8": (1.0, 8)}
+# bytes per weight, bytes per output row (scales and sums), and the row length a format needs a
+# multiple of (a projection whose rows are not is kept in the model dtype, as the engine does)
+FORMATS: dict[str, tuple[float, int, int]] = {"int8": (1.0, 8, 1), "int4": (0.5 + 4 / 32, 0, 32)}
 
 
-def layer_linear_shape(spec: ModelSpec) -> tuple[int, int]:
-    """(weights, output rows) of one decoder layer's projections: q, k, v, o, gate, up, down."""
+def layer_projections(spec: ModelSpec) -> list[tuple[int, int]]:
+    """(output rows, row length) of one decoder layer's projections: fused qkv, o, fused
+    gate_up, down."""
     if spec.intermediate_size is None:
         raise ConfigError(f"{spec.name}: no intermediate_size, so its layer weights are unknown")
     h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q, kv = spec.num_attention_heads * d, spec.num_kv_heads * d
-    weights = h * (q + 2 * kv) + q * h + 3 * h * inter
-    rows = q + 2 * kv + h + 2 * inter + h
-    return weights, rows
+    return [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]
 
 
 def quantized_weight_bytes(spec: ModelSpec, method: str, total_bytes: int) -> int:
@@ -32,10 +33,11 @@ def quantized_weight_bytes(spec: ModelSpec, method: str, total_bytes: int) -> in
         raise ConfigError(f"quantization must be one of {', '.join(FORMATS)}; got {method!r}")
     if spec.architecture not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         raise ConfigError(f"quantization {method!r} is planned for dense Llama-family models, not {spec.architecture}")
-    per_weight, per_row = FORMATS[method]
-    weights, rows = layer_linear_shape(spec)
-    dense = spec.num_layers * weights * spec.dtype_bytes
-    if dense > total_bytes:
+    per_weight, per_row, multiple = FORMATS[method]
+    saved = 0
+    for rows, k in layer_projections(spec):
+        if k % multiple == 0:
+            saved += rows * k * spec.dtype_bytes - (int(rows * k * per_weight) + rows * per_row)
+    if spec.num_layers * sum(r * k for r, k in layer_projections(spec)) * spec.dtype_bytes > total_bytes:
         raise ConfigError(f"{spec.name}: its layer projections alone exceed the weight size given")
-    quant = spec.num_layers * (int(weights * per_weight) + rows * per_row)
-    return total_bytes - dense + quant
+    return total_bytes - spec.num_layers * saved

@@ -15,6 +15,7 @@ from torch import nn
 
 from kvledger.kernels import native
 from kvledger.kernels.gemm_rows import RowInvariance, gemm_rows_bucket, rows_view
+from kvledger.model.quant_int4 import Int4Weight, int4_linear
 from kvledger.model.quant_int8 import Int8Weight, int8_linear
 from kvledger.storage import host_memory
 
@@ -42,7 +43,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN copy of weight, see pack()
         self.small: native.GemmWeight | None = None  # the native few-row kernel's copy, see pack()
-        self.int8: Int8Weight | None = None  # W8A8: weight holds the int8 codes, see quantize_int8()
+        self.quant: Int8Weight | Int4Weight | None = None  # weight holds the codes, see quantize()
 
     @property
     def native_small(self) -> bool:
@@ -69,7 +70,7 @@ class Linear(nn.Module):
         tensor keeps its shape and dtype for accounting), so a weight costs two copies, not
         three (a tied embedding then reads its rows from the native copy, see pack_linears).
         """
-        if self.int8 is not None:
+        if self.quant is not None:
             return
         dt = self.weight.dtype
         if dt == torch.float32 or (dt == torch.bfloat16 and _onednn_bf16()):
@@ -84,17 +85,25 @@ class Linear(nn.Module):
         if self.packed is not None and self.small is not None:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
-    def quantize_int8(self) -> None:
-        """Store the weight as W8A8 (model/quant_int8.py): ``weight`` becomes the int8 codes, with
-        the per-row scales and code sums beside it, so the ledger's weight bytes are what is held.
-        Products then go through quant_int8.int8_linear whatever their rows (pack() skips it)."""
-        from kvledger.model.quant_int8 import quantize_weight
+    def quantize(self, method: str) -> None:
+        """Store the weight quantised (``int8``: W8A8, model/quant_int8.py; ``int4``: group-wise
+        weight-only, model/quant_int4.py). ``weight`` becomes the codes and the scales (and W8A8's
+        code sums) sit beside it as parameters, so the ledger's weight bytes are what is held.
+        Every product then goes through the format's kernel (pack() skips the layer)."""
+        from kvledger.model import quant_int4, quant_int8
 
-        w = quantize_weight(self.weight.data)
-        self.weight = nn.Parameter(w.q, requires_grad=False)
-        self.int8_scale = nn.Parameter(w.scale, requires_grad=False)
-        self.int8_wsum = nn.Parameter(w.wsum, requires_grad=False)
-        self.int8 = w
+        if method == "int8":
+            w = quant_int8.quantize_weight(self.weight.data)
+            self.weight = nn.Parameter(w.q, requires_grad=False)
+            self.quant_scale = nn.Parameter(w.scale, requires_grad=False)
+            self.quant_wsum = nn.Parameter(w.wsum, requires_grad=False)
+        elif method == "int4":
+            w = quant_int4.quantize_weight(self.weight.data)
+            self.weight = nn.Parameter(w.q, requires_grad=False)
+            self.quant_scale = nn.Parameter(w.scale, requires_grad=False)
+        else:
+            raise ValueError(f"unknown quantization {method!r}")
+        self.quant = w
 
     def _native_takes(self, x: torch.Tensor) -> bool:
         """The native kernel can take x: a weight it packed, a 2-D input of that dtype."""
@@ -106,8 +115,10 @@ class Linear(nn.Module):
         return self._native_takes(x) and self.row_invariance.row_wise(x.shape[0], x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None:
-            return int8_linear(x, self.int8, self.bias)
+        if isinstance(self.quant, Int8Weight):
+            return int8_linear(x, self.quant, self.bias)
+        if self.quant is not None:
+            return int4_linear(x, self.quant, self.bias)
         if not self._native_takes(x):
             return self._big(x)
         small, m = self.small, x.shape[0]

@@ -10,6 +10,8 @@ so one class covers them, each option following its HF model's order of operatio
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -289,15 +291,25 @@ class LlamaForCausalLM(nn.Module):
         """Store every decoder-layer projection in ``method`` (model/quant_int8.py); the embedding
         and the LM head stay as loaded, as vLLM keeps them."""
         from kvledger.errors import ConfigError
+        from kvledger.model.quant_int4 import GROUP
         from kvledger.model.quant_int8 import check_method
 
         check_method(method)
         if any(isinstance(m, SparseMoE) for m in self.modules()):
             raise ConfigError(f"quantization {method!r}: mixture-of-experts layers are not supported yet")
-        for layer in self.model.layers:
-            for m in layer.modules():
-                if isinstance(m, Linear):
-                    m.quantize_int8()
+        linears = [(name, m) for name, m in self.model.layers.named_modules() if isinstance(m, Linear)]
+        # int4 groups run along a row: a projection whose rows are not whole groups stays in the
+        # model dtype, as llama.cpp keeps such tensors in a wider type (named in the log).
+        kept = [name for name, m in linears if method == "int4" and m.weight.shape[1] % GROUP]
+        if kept:
+            logging.getLogger("kvledger").info(
+                "quantization int4: %d projections keep the model dtype (rows not a multiple of %d "
+                "weights): %s", len(kept), GROUP, ", ".join(f"layers.{n}" for n in kept[:4])
+                + (" ..." if len(kept) > 4 else ""),
+            )  # fmt: skip
+        for name, m in linears:
+            if name not in kept:
+                m.quantize(method)
 
     def pack_linears(self) -> None:
         """Pack every matmul weight for oneDNN and the native kernel (see Linear.pack); a tied

@@ -17,7 +17,7 @@ import torch
 
 from kvledger.kernels import native
 
-SUPPORTED = ("int8",)
+SUPPORTED = ("int8", "int4")  # int4: model/quant_int4.py
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ def check_method(method: str | None) -> str | None:
     if method not in SUPPORTED:
         raise ConfigError(
             f"quantization {method!r} is not supported on the fly: kvledger applies {', '.join(SUPPORTED)} "
-            "(W8A8: per-channel int8 weights, dynamic per-token int8 activations)"
+            "(int8: W8A8, per-channel int8 weights and dynamic per-token int8 activations; int4: "
+            "weight-only, groups of 32)"
         )
     return method

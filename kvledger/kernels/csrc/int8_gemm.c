@@ -119,10 +119,18 @@ int kvl_int8_gemm(const int8_t *xq, const float *xs, const int8_t *wq, const flo
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int mm = M - m0 < 4 ? (int)(M - m0) : 4;
             int32_t acc[4][4];
-            if (mm == 4 && nn == 4)
-                dot_block(xu + m0 * K, wq + n0 * K, K, 4, 4, acc);
+            const uint8_t *xb = xu + m0 * K;
+            const int8_t *wb = wq + n0 * K;
+            if (nn == 4 && mm == 4) /* constant tile sizes: the accumulators stay in registers */
+                dot_block(xb, wb, K, 4, 4, acc);
+            else if (nn == 4 && mm == 1)
+                dot_block(xb, wb, K, 1, 4, acc);
+            else if (nn == 4 && mm == 2)
+                dot_block(xb, wb, K, 2, 4, acc);
+            else if (nn == 4 && mm == 3)
+                dot_block(xb, wb, K, 3, 4, acc);
             else
-                dot_block(xu + m0 * K, wq + n0 * K, K, mm, nn, acc);
+                dot_block(xb, wb, K, mm, nn, acc);
             for (int i = 0; i < mm; i++)
                 for (int j = 0; j < nn; j++) {
                     const int64_t n = n0 + j;

@@ -1,0 +1,113 @@
+"""4-bit weights on the fly (``quantization="int4"``): the format's values, the native kernels
+against the torch reference in every build this CPU runs, and the engine against transformers
+running the dequantised weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvledger.kernels import native
+from kvledger.model.quant_int4 import GROUP, Int4Weight, dequantize, quantize_weight
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
+
+
+def test_codes_scales_and_nibble_order_follow_the_format():
+    w = torch.zeros(2, 64)
+    w[0, :32] = torch.arange(32) - 16.0  # one group: max |w| = 16, scale 16 / 7
+    w[1, 32:] = 0.0  # a zero group keeps scale 1, codes 8
+    q = quantize_weight(w)
+    assert q.q.dtype == torch.uint8 and q.q.shape == (2, 32) and q.scale.shape == (2, 2)
+    s = 16 / 7
+    assert q.scale[0, 0].item() == pytest.approx(s) and q.scale[1, 1] == 1
+    codes = (torch.round((torch.arange(32) - 16.0) / q.scale[0, 0]).clamp(-8, 7) + 8).to(torch.uint8)
+    assert torch.equal(q.q[0, :16], codes[:16] | (codes[16:] << 4))  # byte j: weights j and j + 16
+    assert torch.equal(q.q[1, 16:], torch.full((16,), 8 | 8 << 4, dtype=torch.uint8))
+    deq = dequantize(q)
+    assert (deq - w).abs().max() <= q.scale.max() / 2 + 1e-6  # round to nearest within a group
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_dequantisation_is_the_reference(isa, dtype):
+    w = quantize_weight(torch.randn(37, 96, generator=torch.Generator().manual_seed(2)))
+    assert torch.equal(native.int4_dequantize(w.q, w.scale, dtype), dequantize(w, dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 32), (3, 7, 256), (4, 64, 96), (5, 33, 1024), (16, 9, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_register_kernel_matches_the_dequantised_product(isa, dtype, m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 100 + n + k)
+    w = quantize_weight(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    got = native.int4_gemm(x, w.q, w.scale, b)
+    ref = x.double() @ dequantize(w).double().T + (b.double() if bias else 0)
+    assert got.dtype == dtype and got.shape == (m, n)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), ref, atol=1e-5 * math.sqrt(k), rtol=1e-5)
+    else:  # one bf16 rounding of the float32 sum
+        torch.testing.assert_close(got.double(), ref, atol=2e-2 * math.sqrt(k / 64), rtol=2**-7)
+    # an output row depends only on its own input row
+    assert torch.equal(native.int4_gemm(x[-1:], w.q, w.scale, b), got[-1:])
+
+
+def test_rows_not_a_multiple_of_the_group_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_weight(torch.randn(4, 48))
+    assert GROUP == 32 and isinstance(quantize_weight(torch.randn(4, 64)), Int4Weight)
+
+
+def test_an_int4_engine_is_transformers_running_the_dequantised_weights(stories_path):
+    """float32 activations: kvledger's int4 stories260k gives the greedy tokens that transformers
+    gives with every decoder-layer weight replaced by its dequantised int4 value (down_proj's rows,
+    172 weights, are not whole groups of 32: it stays float32 in both), and holds the quantised
+    weights in 4.625 bits each."""
+    from test_engine_exact import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    from kvledger import LLM, SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(str(stories_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for lin in [*layer.self_attn.children(), *layer.mlp.children()]:
+                if isinstance(lin, torch.nn.Linear) and lin.weight.shape[1] % GROUP == 0:
+                    lin.weight.copy_(dequantize(quantize_weight(lin.weight)))
+    llm = LLM(str(stories_path), quantization="int4", calibrate_preemption=False)
+    plain = LLM(str(stories_path), calibrate_preemption=False)
+    tok = llm.get_tokenizer()
+    for prompt in ["Once upon a time", "The little dog", "Lily wanted to"]:
+        ids = tok.encode(prompt)
+        got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+        assert got[0].outputs[0].token_ids == hf_greedy(hf, ids, 32), prompt
+    layer = llm.engine.executor.worker.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quant is not None and layer.mlp.down_proj.quant is None
+    held = llm.engine.executor.worker.ready.weight_bytes
+    assert held < 0.6 * plain.engine.executor.worker.ready.weight_bytes
+
+
+def test_plan_counts_the_int4_weights_the_engine_holds(stories_path):
+    """`kvledger plan --quantization int4` predicts the live engine's weight bytes to the byte,
+    the projection kept in float32 (rows not whole groups) included."""
+    import json
+    import subprocess
+    import sys
+
+    from kvledger import LLM
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvledger", "plan", "--model", str(stories_path), "--quantization", "int4",
+         "--device-memory", "4MiB", "--memory-fraction", "1", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    f = json.loads(out.stdout)
+    live = LLM(str(stories_path), quantization="int4", calibrate_preemption=False)
+    assert f["weight_bytes"] == live.engine.executor.worker.ready.weight_bytes
+    assert f["weight_source"] == "checkpoint, int4 (groups of 32)" and f["quantization"]["extra_tokens"] > 0
