@@ -135,7 +135,7 @@ class EngineConfig:
     tp_worker_threads: int | None = None
     tp_step_timeout: float = 60.0
     # vLLM's --quantization, applied on the fly to a float checkpoint: None, "int8" (W8A8,
-    # model/quant_int8.py) or "int4" (weight-only, groups of 32, model/quant_int4.py). Checkpoints that carry a quantization_config are read as they are.
+    # model/quant_int8.py) or "int4" (weight-only, groups of 32, model/quant_group.py). Checkpoints that carry a quantization_config are read as they are.
     quantization: str | None = None
 
     def validate(self) -> None:

@@ -511,29 +511,32 @@ def int8_gemm(
     return y
 
 
-def int4_gemm(x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (float32/bfloat16) times a group-wise 4-bit weight (csrc/int4_gemm.c: ``qw``
-    uint8 [N, K / 2] nibbles, ``scales`` float32 [N, K / 32]), in x's dtype."""
+def group_gemm(
+    x: torch.Tensor, qw: torch.Tensor, bits: int, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M, K] (float32/bfloat16) times a group-wise weight (csrc/group_gemm.c: ``qw`` uint8
+    [N, K / 2] nibbles for 4 bits, int8 [N, K] for 8; ``scales`` float32 [N, K / 32]), in x's
+    dtype."""
     x = x.contiguous()
     m, k = x.shape
     n = qw.shape[0]
-    if qw.shape[1] * 2 != k or scales.shape != (n, k // 32):
-        raise ValueError(f"int4_gemm: x {tuple(x.shape)} against weight {tuple(qw.shape)} / scales {tuple(scales.shape)}")
+    if qw.shape[1] * 8 // bits != k or scales.shape != (n, k // 32):
+        raise ValueError(f"group_gemm: x {tuple(x.shape)} against weight {tuple(qw.shape)} / scales {tuple(scales.shape)}")
     y = torch.empty(m, n, dtype=x.dtype)
     _check(
-        library().kvl_int4_gemm(
-            x.data_ptr(), int(_bf16(x)), qw.data_ptr(), scales.data_ptr(),
+        library().kvl_group_gemm(
+            x.data_ptr(), int(_bf16(x)), qw.data_ptr(), bits, scales.data_ptr(),
             None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads(),
         ),
-        "int4_gemm",
+        "group_gemm",
     )  # fmt: skip
     return y
 
 
-def int4_dequantize(qw: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The [N, K] weight a group-wise 4-bit one stands for (code x scale, rounded to dtype)."""
-    n, k = qw.shape[0], qw.shape[1] * 2
+def group_dequantize(qw: torch.Tensor, bits: int, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weight a group-wise one stands for (code x scale, rounded to dtype)."""
+    n, k = qw.shape[0], qw.shape[1] * 8 // bits
     out = torch.empty(n, k, dtype=dtype)
-    _check(library().kvl_int4_dequantize(qw.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                                         int(dtype == torch.bfloat16), n, k, torch.get_num_threads()), "int4_dequantize")
+    _check(library().kvl_group_dequantize(qw.data_ptr(), bits, scales.data_ptr(), out.data_ptr(),
+                                          int(dtype == torch.bfloat16), n, k, torch.get_num_threads()), "group_dequantize")
     return out

@@ -2,7 +2,7 @@
 
 The ledger counts what the pool cannot have: a byte of weights is a byte of KV cache fewer. W8A8
 (model/quant_int8.py) holds each decoder-layer projection as one int8 byte per weight plus, per
-output row, a float32 scale and an int32 code sum; int4 (model/quant_int4.py) half a byte per
+output row, a float32 scale and an int32 code sum; int4 (model/quant_group.py) half a byte per
 weight plus a float32 scale per 32; the embedding, the LM head and the norms stay in
 the model dtype. Torch-free, like the rest of the planner.
 """

@@ -15,7 +15,7 @@ from torch import nn
 
 from kvledger.kernels import native
 from kvledger.kernels.gemm_rows import RowInvariance, gemm_rows_bucket, rows_view
-from kvledger.model.quant_int4 import Int4Weight, int4_linear
+from kvledger.model.quant_group import GroupWeight, group_linear
 from kvledger.model.quant_int8 import Int8Weight, int8_linear
 from kvledger.storage import host_memory
 
@@ -43,7 +43,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN copy of weight, see pack()
         self.small: native.GemmWeight | None = None  # the native few-row kernel's copy, see pack()
-        self.quant: Int8Weight | Int4Weight | None = None  # weight holds the codes, see quantize()
+        self.quant: Int8Weight | GroupWeight | None = None  # weight holds the codes, see quantize()
 
     @property
     def native_small(self) -> bool:
@@ -87,22 +87,27 @@ class Linear(nn.Module):
 
     def quantize(self, method: str) -> None:
         """Store the weight quantised (``int8``: W8A8, model/quant_int8.py; ``int4``: group-wise
-        weight-only, model/quant_int4.py). ``weight`` becomes the codes and the scales (and W8A8's
+        weight-only, model/quant_group.py). ``weight`` becomes the codes and the scales (and W8A8's
         code sums) sit beside it as parameters, so the ledger's weight bytes are what is held.
         Every product then goes through the format's kernel (pack() skips the layer)."""
-        from kvledger.model import quant_int4, quant_int8
+        from kvledger.model import quant_group, quant_int8
 
         if method == "int8":
-            w = quant_int8.quantize_weight(self.weight.data)
+            w = quant_int8.quantize_weight(self.weight.data, alloc=host_memory.zeros)
             self.weight = nn.Parameter(w.q, requires_grad=False)
             self.quant_scale = nn.Parameter(w.scale, requires_grad=False)
             self.quant_wsum = nn.Parameter(w.wsum, requires_grad=False)
         elif method == "int4":
-            w = quant_int4.quantize_weight(self.weight.data)
-            self.weight = nn.Parameter(w.q, requires_grad=False)
-            self.quant_scale = nn.Parameter(w.scale, requires_grad=False)
+            self.set_quantized(quant_group.quantize_weight(self.weight.data, alloc=host_memory.zeros))
+            return
         else:
             raise ValueError(f"unknown quantization {method!r}")
+        self.quant = w
+
+    def set_quantized(self, w: GroupWeight) -> None:
+        """Hold a group-wise weight (on the fly, or read from a GGUF file) instead of a float one."""
+        self.weight = nn.Parameter(w.q, requires_grad=False)
+        self.quant_scale = nn.Parameter(w.scale, requires_grad=False)
         self.quant = w
 
     def _native_takes(self, x: torch.Tensor) -> bool:
@@ -118,7 +123,7 @@ class Linear(nn.Module):
         if isinstance(self.quant, Int8Weight):
             return int8_linear(x, self.quant, self.bias)
         if self.quant is not None:
-            return int4_linear(x, self.quant, self.bias)
+            return group_linear(x, self.quant, self.bias)
         if not self._native_takes(x):
             return self._big(x)
         small, m = self.small, x.shape[0]

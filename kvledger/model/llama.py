@@ -291,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         """Store every decoder-layer projection in ``method`` (model/quant_int8.py); the embedding
         and the LM head stay as loaded, as vLLM keeps them."""
         from kvledger.errors import ConfigError
-        from kvledger.model.quant_int4 import GROUP
+        from kvledger.model.quant_group import GROUP
         from kvledger.model.quant_int8 import check_method
 
         check_method(method)

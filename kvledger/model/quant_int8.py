@@ -17,7 +17,7 @@ import torch
 
 from kvledger.kernels import native
 
-SUPPORTED = ("int8", "int4")  # int4: model/quant_int4.py
+SUPPORTED = ("int8", "int4")  # int4: model/quant_group.py
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def quantize_weight(w: torch.Tensor) -> Int8Weight:
+def quantize_weight(w: torch.Tensor, alloc=torch.zeros) -> Int8Weight:
+    """Per-output-row W8 codes; ``alloc(shape, dtype=)`` holds them (host_memory.zeros: huge
+    pages, which a decode step streams through with fewer TLB misses, as the float weights)."""
     q, s = quantize_rows(w.detach())
-    return Int8Weight(q.contiguous(), s.contiguous(), q.to(torch.int32).sum(dim=1, dtype=torch.int32))
+    codes = alloc(tuple(q.shape), dtype=torch.int8)
+    codes.copy_(q)
+    return Int8Weight(codes, s.contiguous(), q.to(torch.int32).sum(dim=1, dtype=torch.int32))
 
 
 def int8_gemm_reference(

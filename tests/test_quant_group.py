@@ -10,9 +10,15 @@ import pytest
 import torch
 
 from kvledger.kernels import native
-from kvledger.model.quant_int4 import GROUP, Int4Weight, dequantize, quantize_weight
+from kvledger.model.quant_group import GROUP, GroupWeight, dequantize, pack_nibbles, quantize_weight
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
+
+
+def _q8(n: int, k: int, seed: int) -> GroupWeight:
+    """An 8-bit group-wise weight (GGUF Q8_0's values): random codes, scales."""
+    g = torch.Generator().manual_seed(seed)
+    return GroupWeight(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, k // 32, generator=g) * 0.1, 8)
 
 
 def test_codes_scales_and_nibble_order_follow_the_format():
@@ -25,6 +31,7 @@ def test_codes_scales_and_nibble_order_follow_the_format():
     assert q.scale[0, 0].item() == pytest.approx(s) and q.scale[1, 1] == 1
     codes = (torch.round((torch.arange(32) - 16.0) / q.scale[0, 0]).clamp(-8, 7) + 8).to(torch.uint8)
     assert torch.equal(q.q[0, :16], codes[:16] | (codes[16:] << 4))  # byte j: weights j and j + 16
+    assert torch.equal(pack_nibbles(codes[None].to(torch.int32) - 8)[0], q.q[0, :16])
     assert torch.equal(q.q[1, 16:], torch.full((16,), 8 | 8 << 4, dtype=torch.uint8))
     deq = dequantize(q)
     assert (deq - w).abs().max() <= q.scale.max() / 2 + 1e-6  # round to nearest within a group
@@ -34,19 +41,22 @@ def test_codes_scales_and_nibble_order_follow_the_format():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_dequantisation_is_the_reference(isa, dtype):
     w = quantize_weight(torch.randn(37, 96, generator=torch.Generator().manual_seed(2)))
-    assert torch.equal(native.int4_dequantize(w.q, w.scale, dtype), dequantize(w, dtype))
+    assert torch.equal(native.group_dequantize(w.q, 4, w.scale, dtype), dequantize(w, dtype))
+    w8 = _q8(37, 96, seed=3)
+    assert torch.equal(native.group_dequantize(w8.q, 8, w8.scale, dtype), dequantize(w8, dtype))
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 32), (3, 7, 256), (4, 64, 96), (5, 33, 1024), (16, 9, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_register_kernel_matches_the_dequantised_product(isa, dtype, m, n, k, bias):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_register_kernel_matches_the_dequantised_product(isa, dtype, m, n, k, bias, bits):
     g = torch.Generator().manual_seed(m * 100 + n + k)
-    w = quantize_weight(torch.randn(n, k, generator=g))
+    w = quantize_weight(torch.randn(n, k, generator=g)) if bits == 4 else _q8(n, k, seed=m)
     x = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    got = native.int4_gemm(x, w.q, w.scale, b)
+    got = native.group_gemm(x, w.q, bits, w.scale, b)
     ref = x.double() @ dequantize(w).double().T + (b.double() if bias else 0)
     assert got.dtype == dtype and got.shape == (m, n)
     if dtype == torch.float32:
@@ -54,13 +64,13 @@ def test_register_kernel_matches_the_dequantised_product(isa, dtype, m, n, k, bi
     else:  # one bf16 rounding of the float32 sum
         torch.testing.assert_close(got.double(), ref, atol=2e-2 * math.sqrt(k / 64), rtol=2**-7)
     # an output row depends only on its own input row
-    assert torch.equal(native.int4_gemm(x[-1:], w.q, w.scale, b), got[-1:])
+    assert torch.equal(native.group_gemm(x[-1:], w.q, bits, w.scale, b), got[-1:])
 
 
 def test_rows_not_a_multiple_of_the_group_are_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_weight(torch.randn(4, 48))
-    assert GROUP == 32 and isinstance(quantize_weight(torch.randn(4, 64)), Int4Weight)
+    assert GROUP == 32 and isinstance(quantize_weight(torch.randn(4, 64)), GroupWeight)
 
 
 def test_an_int4_engine_is_transformers_running_the_dequantised_weights(stories_path):
