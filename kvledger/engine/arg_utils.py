@@ -33,6 +33,7 @@ _warned: set[str] = set()
 
 def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
     """Split flat keyword options (vLLM style) into the three config dataclasses."""
+    from kvledger.hf.gguf_file import find_gguf, gguf_folder
     from kvledger.hf.hub import resolve_model_path
     from kvledger.model.default import resolve_named_model
 
@@ -41,6 +42,9 @@ def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
     model = resolve_model_path(resolve_named_model(model), revision, download_dir)
     if kwargs.get("tokenizer"):
         kwargs["tokenizer"] = resolve_model_path(kwargs["tokenizer"], tokenizer_revision, download_dir)
+    gguf = find_gguf(model)
+    if gguf is not None:  # a llama.cpp file: served from a folder standing for it (hf/gguf_file.py)
+        model = str(gguf_folder(gguf, kwargs.get("tokenizer")))
     for name, (neutral, why) in _NO_EFFECT.items():
         if name in kwargs and kwargs.pop(name) != neutral and name not in _warned:
             _warned.add(name)

@@ -308,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
                 + (" ..." if len(kept) > 4 else ""),
             )  # fmt: skip
         for name, m in linears:
-            if name not in kept:
+            if name not in kept and m.quant is None:  # a GGUF file's Q8_0 / Q4_0 stay as they are
                 m.quantize(method)
 
     def pack_linears(self) -> None:

@@ -121,6 +121,8 @@ def load_weights(
     that needs no change (CPU, same dtype, not fused) becomes its parameter as a view of the
     memory-mapped file; the rest are copied once, straight into their (possibly fused)
     parameter, converting dtype (and dequantising FP8) on the way."""
+    if (path / "gguf.json").is_file():
+        return _load_gguf(model, path, dtype, device, hf_config or {})
     reader = CheckpointReader(path, hf_config)
     sources = _sources(model)
     missing = [hf for pieces in sources.values() for hf, _, _ in pieces if hf not in reader]
@@ -147,6 +149,64 @@ def load_weights(
             state[name][row : row + n].copy_(t)
     reader.close()
     model.load_state_dict(state, strict=False, assign=True)
+
+
+def _load_gguf(
+    model: LlamaForCausalLM, path: Path, dtype: torch.dtype, device: torch.device, hf_config: dict[str, Any]
+) -> None:
+    """Fill the model from the GGUF file a cache folder names (hf/gguf_file.py): Q8_0 / Q4_0
+    layer projections become group-wise weights as they are (every piece of a fused projection
+    of one such type), everything else floats in ``dtype``."""
+    from kvledger.hf.gguf_file import KEPT, GGUFWeights
+    from kvledger.model.layers import Linear
+    from kvledger.model.quant_group import GroupWeight
+    from kvledger.storage import host_memory
+
+    src = GGUFWeights(path, hf_config)
+    sources = _sources(model)
+    missing = [hf for pieces in sources.values() for hf, _, _ in pieces if hf not in src]
+    if missing:
+        shown = ", ".join(src.gguf_name(h) for h in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ConfigError(f"GGUF file {src.path.name} lacks {len(missing)} tensor(s): {shown}")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and ".layers." in f".{n}"}
+    shapes = {name: param.shape for name, param in model.named_parameters()}
+    state: dict[str, torch.Tensor] = {}
+    grouped: dict[str, GroupWeight] = {}
+    dequantised: set[str] = set()
+    for name, pieces in sources.items():
+        owner, _, leaf = name.rpartition(".")
+        kinds = {src.type_of(hf) for hf, _, _ in pieces}
+        shape = shapes[name]
+        if leaf == "weight" and owner in linears and len(kinds) == 1 and kinds <= set(KEPT) and device.type == "cpu":
+            parts = [src.group(hf) for hf, _, _ in pieces]
+            codes = torch.cat([c for c, _, _ in parts])
+            bits = parts[0][2]
+            if codes.shape != (shape[0], shape[1] * bits // 8):
+                raise ConfigError(f"GGUF tensor {src.gguf_name(pieces[0][0])} does not match the shape config.json implies {tuple(shape)}")
+            held = host_memory.zeros(tuple(codes.shape), dtype=codes.dtype)
+            held.copy_(codes)
+            grouped[owner] = GroupWeight(held, torch.cat([s for _, s, _ in parts]).contiguous(), bits)
+            continue
+        dequantised |= {k for k in kinds if k not in ("F32", "F16", "BF16")}
+        state[name] = torch.empty(shape, dtype=dtype, device=device)
+        for hf, row, n in pieces:
+            t = src.get(hf)
+            if t.shape != (n, *shape[1:]):
+                raise ConfigError(
+                    f"GGUF tensor {src.gguf_name(hf)} has shape {tuple(t.shape)}, config implies {(n, *shape[1:])}"
+                )
+            state[name][row : row + n].copy_(t)
+    src.close()
+    model.load_state_dict(state, strict=False, assign=True)
+    for owner, w in grouped.items():
+        linears[owner].set_quantized(w)
+    if dequantised:
+        import logging
+
+        logging.getLogger("kvledger").warning(
+            "%s: tensors of type %s are held dequantised in %s (kvledger runs Q8_0 and Q4_0 as they are)",
+            src.path.name, ", ".join(sorted(dequantised)), str(dtype).removeprefix("torch."),
+        )  # fmt: skip
 
 
 def load_model(

@@ -1,0 +1,136 @@
+"""GGUF files (hf/gguf_file.py): stories260k written as llama.cpp's converter writes it (q/k rows
+permuted, layer projections in Q8_0 or Q4_0), loaded by kvledger, against transformers running the
+weights gguf-py dequantises from the same file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from kvledger.errors import ConfigError  # noqa: E402
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute (q/k rows for llama.cpp's RoPE)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0") -> dict[str, np.ndarray]:
+    """stories260k as a GGUF file; returns every tensor as gguf-py dequantises it, in HF layout
+    and names (the oracle's weights)."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    sd = load_file(str(src / "model.safetensors"))
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    oracle = {}
+    for hf, t in sd.items():
+        t = t.astype(np.float32)
+        if hf in names:
+            name, kind = names[hf], embed_type if hf.endswith("embed_tokens.weight") else "F32"
+        else:
+            i, rest = hf.split(".")[2], ".".join(hf.split(".")[3:-1])
+            name = f"blk.{i}.{layer[rest]}.weight"
+            kind = layer_type if t.ndim == 2 and t.shape[1] % 32 == 0 else "F32"
+            if rest == "self_attn.q_proj":
+                t = _permute(t, heads)
+            elif rest == "self_attn.k_proj":
+                t = _permute(t, kv)
+        qt = gguf.GGMLQuantizationType[kind]
+        data = t if kind == "F32" else gguf.quants.quantize(t, qt)
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qt)
+        back = t if kind == "F32" else gguf.quants.dequantize(data, qt).reshape(t.shape)
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            h = heads if "attn_q" in name else kv
+            back = back.reshape(h, back.shape[0] // h // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
+        oracle[hf] = back
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return oracle
+
+
+@pytest.fixture
+def gguf_cache(tmp_path, monkeypatch):
+    """Materialised GGUF folders under tmp_path (the compiled kernels stay in the real cache)."""
+    import kvledger.hf.gguf_file as gf
+
+    real = gf.gguf_folder
+
+    def folder(path, tokenizer=None):
+        monkeypatch.setenv("KVLEDGER_CACHE_DIR", str(tmp_path / "cache"))
+        try:
+            return real(path, tokenizer)
+        finally:
+            monkeypatch.delenv("KVLEDGER_CACHE_DIR")
+
+    monkeypatch.setattr(gf, "gguf_folder", folder)
+    return tmp_path
+
+
+@pytest.mark.parametrize("layer_type", ["Q4_0", "Q8_0"])
+def test_a_gguf_file_runs_as_transformers_runs_its_dequantised_weights(stories_path, gguf_cache, layer_type):
+    from test_engine_exact import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    from kvledger import LLM, SamplingParams
+
+    path = gguf_cache / "stories.gguf"
+    oracle = write_gguf(stories_path, path, layer_type)
+    hf = AutoModelForCausalLM.from_pretrained(str(stories_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.from_numpy(oracle[name]).reshape(p.shape))
+    llm = LLM(str(path), tokenizer=str(stories_path), calibrate_preemption=False)
+    lin = llm.engine.executor.worker.model.model.layers[0].self_attn.qkv_proj
+    assert lin.quant is not None and lin.quant.bits == (4 if layer_type == "Q4_0" else 8)
+    assert llm.engine.executor.worker.model.model.layers[0].mlp.down_proj.quant is None  # F32 in the file
+    tok = llm.get_tokenizer()
+    for prompt in ["Once upon a time", "The little dog"]:
+        ids = tok.encode(prompt)
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == hf_greedy(hf, ids, 32), prompt
+
+
+def test_bad_gguf_files_are_refused_by_name(stories_path, gguf_cache):
+    from kvledger import LLM
+
+    path = gguf_cache / "stories.gguf"
+    write_gguf(stories_path, path, "Q8_0")
+    with pytest.raises(ConfigError, match="tokenizer could not be read.*tokenizer="):
+        LLM(str(path), calibrate_preemption=False)  # no tokenizer in its metadata
+    cut = gguf_cache / "cut" / "cut.gguf"
+    cut.parent.mkdir()
+    cut.write_bytes(path.read_bytes()[:5000])
+    with pytest.raises(ConfigError, match="cut.gguf is not a readable GGUF file"):
+        LLM(str(cut.parent), tokenizer=str(stories_path), calibrate_preemption=False)
+    other = gguf_cache / "other.gguf"
+    w = gguf.GGUFWriter(str(other), "mamba")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match="architecture 'mamba' is not supported"):
+        LLM(str(other), tokenizer=str(stories_path), calibrate_preemption=False)
