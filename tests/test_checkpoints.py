@@ -117,12 +117,21 @@ def test_fp8_checkpoint_generates_what_transformers_generates_from_its_values(st
     assert len(out[0].outputs[0].text.split()) >= 8
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "bitsandbytes"])
-def test_quantization_methods_we_cannot_run_are_refused_by_name(stories_path, tmp_path, method):
-    folder = tmp_path / method
-    _meta(stories_path, folder, quantization_config={"quant_method": method, "bits": 4})
+@pytest.mark.parametrize(
+    ("qc", "match"),
+    [
+        ({"quant_method": "compressed-tensors", "bits": 4}, "compressed-tensors"),
+        ({"quant_method": "bitsandbytes", "bits": 4}, "bitsandbytes"),
+        ({"quant_method": "gptq", "bits": 8}, "gptq checkpoints of 8 bits"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "gptq group_size 48"),
+        ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "awq version 'exllama'"),
+    ],
+)
+def test_quantization_methods_we_cannot_run_are_refused_by_name(stories_path, tmp_path, qc, match):
+    folder = tmp_path / qc["quant_method"]
+    _meta(stories_path, folder, quantization_config=qc)
     shutil.copy(stories_path / "model.safetensors", folder / "model.safetensors")
-    with pytest.raises(ConfigError, match=method):
+    with pytest.raises(ConfigError, match=match):
         load_model(folder)
 
 

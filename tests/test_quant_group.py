@@ -121,3 +121,23 @@ def test_plan_counts_the_int4_weights_the_engine_holds(stories_path):
     live = LLM(str(stories_path), quantization="int4", calibrate_preemption=False)
     assert f["weight_bytes"] == live.engine.executor.worker.ready.weight_bytes
     assert f["weight_source"] == "checkpoint, int4 (groups of 32)" and f["quantization"]["extra_tokens"] > 0
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_points_and_act_order_match_the_reference(isa, dtype):
+    """4-bit groups with their own zero points (GPTQ / AWQ) through the register kernel and the
+    dequantising path, against the reference's (code - zero) x scale."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 24, 128
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    w = GroupWeight(
+        pack_nibbles(codes - 8), torch.rand(n, k // 32, generator=g), 4,
+        zero=torch.randint(0, 16, (n, k // 32), generator=g, dtype=torch.uint8),
+    )  # fmt: skip
+    ref = dequantize(w)
+    assert torch.equal(ref, (codes - w.zero.to(torch.int32).repeat_interleave(32, 1)).float() * w.scale.repeat_interleave(32, 1))
+    assert torch.equal(native.group_dequantize(w.q, 4, w.scale, dtype, w.zero), ref.to(dtype))
+    x = torch.randn(3, k, generator=g).to(dtype)
+    got = native.group_gemm(x, w.q, 4, w.scale, None, w.zero)
+    torch.testing.assert_close(got.double(), x.double() @ ref.double().T, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=2**-7)

@@ -60,7 +60,7 @@ _ROPE_KEYS = {
 DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
-SUPPORTED_QUANTIZATION = ("fp8",)
+SUPPORTED_QUANTIZATION = ("fp8", "gptq", "awq")
 
 
 # ------------------------------------------------------------------------------------- files
@@ -418,13 +418,35 @@ def quantization_method(cfg: dict[str, Any]) -> str | None:
     if method not in SUPPORTED_QUANTIZATION:
         raise ConfigError(
             f"quantization_config method {method!r} is not supported: kvledger loads unquantised "
-            "checkpoints and FP8 ones (quant_method 'fp8', dequantised on load); use an "
-            "unquantised checkpoint of this model"
+            "checkpoints, FP8 ones (quant_method 'fp8', dequantised on load) and 4-bit GPTQ / AWQ "
+            "ones; use one of those for this model"
         )
+    if method in ("gptq", "awq"):
+        _check_packed_int4({**q, "quant_method": method})
+        return method
     fmt = q.get("fmt", "e4m3")
     if fmt not in ("e4m3", "e5m2"):
         raise ConfigError(f"fp8 quantization_config fmt {fmt!r} is not supported (e4m3, e5m2)")
     return method
+
+
+def _check_packed_int4(q: dict[str, Any]) -> None:
+    """Refuse what the kernels cannot run, naming it."""
+    method = q.get("quant_method")
+    if q.get("bits", 4) != 4:
+        raise ConfigError(f"{method} checkpoints of {q.get('bits')} bits are not supported (4 bits are)")
+    g = q.get("group_size", 128)
+    if g != -1 and (not isinstance(g, int) or g <= 0 or g % 32):
+        raise ConfigError(f"{method} group_size {g!r} is not supported: a multiple of {32}, or -1")
+    if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
+        raise ConfigError(f"awq version {q.get('version')!r} is not supported (gemm is)")
+    if method == "gptq" and q.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+        raise ConfigError(f"gptq checkpoint_format {q.get('checkpoint_format')!r} is not supported (gptq, gptq_v2)")
+
+
+def quantization_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json's quantization_config (empty where there is none)."""
+    return cfg.get("quantization_config") or {}
 
 
 def quantization_block_size(cfg: dict[str, Any]) -> list[int] | None:

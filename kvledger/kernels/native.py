@@ -512,11 +512,12 @@ def int8_gemm(
 
 
 def group_gemm(
-    x: torch.Tensor, qw: torch.Tensor, bits: int, scales: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, qw: torch.Tensor, bits: int, scales: torch.Tensor, bias: torch.Tensor | None,
+    zeros: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (float32/bfloat16) times a group-wise weight (csrc/group_gemm.c: ``qw`` uint8
-    [N, K / 2] nibbles for 4 bits, int8 [N, K] for 8; ``scales`` float32 [N, K / 32]), in x's
-    dtype."""
+    [N, K / 2] nibbles for 4 bits, int8 [N, K] for 8; ``scales`` float32 [N, K / 32]; 4-bit
+    ``zeros`` uint8 [N, K / 32], None: 8), in x's dtype."""
     x = x.contiguous()
     m, k = x.shape
     n = qw.shape[0]
@@ -526,17 +527,21 @@ def group_gemm(
     _check(
         library().kvl_group_gemm(
             x.data_ptr(), int(_bf16(x)), qw.data_ptr(), bits, scales.data_ptr(),
-            None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads(),
+            None if zeros is None else zeros.data_ptr(), None if bias is None else bias.data_ptr(),
+            y.data_ptr(), m, n, k, torch.get_num_threads(),
         ),
         "group_gemm",
     )  # fmt: skip
     return y
 
 
-def group_dequantize(qw: torch.Tensor, bits: int, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The [N, K] weight a group-wise one stands for (code x scale, rounded to dtype)."""
+def group_dequantize(
+    qw: torch.Tensor, bits: int, scales: torch.Tensor, dtype: torch.dtype, zeros: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The [N, K] weight a group-wise one stands for ((code - zero) x scale, rounded to dtype)."""
     n, k = qw.shape[0], qw.shape[1] * 8 // bits
     out = torch.empty(n, k, dtype=dtype)
-    _check(library().kvl_group_dequantize(qw.data_ptr(), bits, scales.data_ptr(), out.data_ptr(),
+    _check(library().kvl_group_dequantize(qw.data_ptr(), bits, scales.data_ptr(),
+                                          None if zeros is None else zeros.data_ptr(), out.data_ptr(),
                                           int(dtype == torch.bfloat16), n, k, torch.get_num_threads()), "group_dequantize")
     return out

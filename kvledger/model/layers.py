@@ -108,6 +108,10 @@ class Linear(nn.Module):
         """Hold a group-wise weight (on the fly, or read from a GGUF file) instead of a float one."""
         self.weight = nn.Parameter(w.q, requires_grad=False)
         self.quant_scale = nn.Parameter(w.scale, requires_grad=False)
+        if w.zero is not None:
+            self.quant_zero = nn.Parameter(w.zero, requires_grad=False)
+        if w.perm is not None:
+            self.quant_perm = nn.Parameter(w.perm, requires_grad=False)
         self.quant = w
 
     def _native_takes(self, x: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ config.json and generation_config.json are read by kvledger.hf.config, as the pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from kvledger.hf.config import (
     dtype_name,
     eos_token_ids,
     model_config_from_hf,
+    quantization_config,
     quantization_method,
     read_json,
     text_config,
@@ -125,6 +126,8 @@ def load_weights(
         return _load_gguf(model, path, dtype, device, hf_config or {})
     reader = CheckpointReader(path, hf_config)
     sources = _sources(model)
+    if reader.quantization in ("gptq", "awq"):
+        _load_packed_int4(model, reader, sources, quantization_config(hf_config or {}))
     missing = [hf for pieces in sources.values() for hf, _, _ in pieces if hf not in reader]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -149,6 +152,38 @@ def load_weights(
             state[name][row : row + n].copy_(t)
     reader.close()
     model.load_state_dict(state, strict=False, assign=True)
+
+
+def _load_packed_int4(
+    model: LlamaForCausalLM, reader: CheckpointReader, sources: dict[str, list[tuple[str, int, int]]], qc: dict
+) -> None:
+    """GPTQ / AWQ projections (model/packed_int4.py) into their Linear as group-wise weights; their
+    entries leave ``sources`` (a projection the checkpoint stores unquantised stays there)."""
+    from kvledger.model.layers import Linear
+    from kvledger.model.packed_int4 import concat_rows, to_group_weight
+    from kvledger.storage import host_memory
+
+    method = reader.quantization
+    modules = dict(model.named_modules())
+    for name in list(sources):
+        owner, _, leaf = name.rpartition(".")
+        if leaf != "weight" or not isinstance(modules.get(owner), Linear):
+            continue
+        stems = [hf.removesuffix(".weight") for hf, _, _ in sources[name]]
+        if not all(f"{s}.qweight" in reader for s in stems):
+            continue
+        parts = []
+        for s in stems:
+            t = {k: reader.get(f"{s}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx") if f"{s}.{k}" in reader}
+            parts.append(to_group_weight(method, qc, t))
+        w = parts[0] if len(parts) == 1 else concat_rows(parts)
+        lin = modules[owner]
+        if (w.q.shape[0], w.q.shape[1] * 2) != tuple(lin.weight.shape):
+            raise ConfigError(f"{method} weights of {owner} hold {tuple(w.q.shape)} codes; config.json implies {tuple(lin.weight.shape)}")
+        held = host_memory.zeros(tuple(w.q.shape), dtype=torch.uint8)
+        held.copy_(w.q)
+        lin.set_quantized(replace(w, q=held))
+        del sources[name]
 
 
 def _load_gguf(

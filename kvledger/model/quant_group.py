@@ -33,6 +33,8 @@ class GroupWeight:
     q: torch.Tensor  # 4 bits: uint8 [N, K / 2] nibbles; 8 bits: int8 [N, K]
     scale: torch.Tensor  # float32 [N, K / 32]
     bits: int = 4
+    zero: torch.Tensor | None = None  # 4 bits: uint8 [N, K / 32] zero points (None: all 8)
+    perm: torch.Tensor | None = None  # input columns in the order the groups hold them (GPTQ act order)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -68,11 +70,13 @@ def codes(w: GroupWeight) -> torch.Tensor:
         return w.q.to(torch.int32)
     n, half = w.q.shape
     b = w.q.reshape(n, -1, GROUP // 2)
-    return (torch.cat([b & 0x0F, b >> 4], dim=-1).to(torch.int32) - 8).reshape(n, half * 2)
+    zero = 8 if w.zero is None else w.zero.to(torch.int32)[..., None]
+    return (torch.cat([b & 0x0F, b >> 4], dim=-1).to(torch.int32) - zero).reshape(n, half * 2)
 
 
 def dequantize(w: GroupWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weight the codes stand for: code x its group's scale (the reference)."""
+    """The weight the codes stand for: (code - zero) x its group's scale (the reference), its
+    columns in the order of ``perm`` where there is one (x[:, perm] is what it multiplies)."""
     n, k = w.shape
     c = codes(w).reshape(n, k // GROUP, GROUP)
     return (c.float() * w.scale[..., None]).reshape(n, k).to(dtype)
@@ -81,9 +85,12 @@ def dequantize(w: GroupWeight, dtype: torch.dtype = torch.float32) -> torch.Tens
 def group_linear(x: torch.Tensor, w: GroupWeight, bias: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)
     if native.available(x2) and x2.shape[0] <= DECODE_ROWS:
-        y = native.group_gemm(x2, w.q, w.bits, w.scale, bias)
+        y = native.group_gemm(x2, w.q, w.bits, w.scale, bias, w.zero)
     else:
-        deq = native.group_dequantize(w.q, w.bits, w.scale, x.dtype) if native.available(x2) else dequantize(w, x.dtype)
+        native_deq = native.available(x2)
+        deq = native.group_dequantize(w.q, w.bits, w.scale, x.dtype, w.zero) if native_deq else dequantize(w, x.dtype)
         y = F.linear(x2, deq, bias)
     return y.view(*shape[:-1], y.shape[-1])
