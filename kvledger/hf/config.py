@@ -60,7 +60,7 @@ _ROPE_KEYS = {
 DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
-SUPPORTED_QUANTIZATION = ("fp8", "gptq", "awq")
+SUPPORTED_QUANTIZATION = ("fp8", "gptq", "awq", "compressed-tensors")
 
 
 # ------------------------------------------------------------------------------------- files
@@ -424,10 +424,45 @@ def quantization_method(cfg: dict[str, Any]) -> str | None:
     if method in ("gptq", "awq"):
         _check_packed_int4({**q, "quant_method": method})
         return method
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(q)
     fmt = q.get("fmt", "e4m3")
     if fmt not in ("e4m3", "e5m2"):
         raise ConfigError(f"fp8 quantization_config fmt {fmt!r} is not supported (e4m3, e5m2)")
     return method
+
+
+def _compressed_tensors_scheme(q: dict[str, Any]) -> str:
+    """llm-compressor's compressed-tensors checkpoints kvledger runs: INT8 W8A8 (int8 weights with
+    a scale per output channel, int8 activations quantised per token at run time, symmetric) ->
+    "w8a8-int8", run as they are (model/quant_int8.py); FP8 weights (a scale per tensor or per
+    channel) -> "fp8", dequantised on load as FP8 checkpoints are. Anything else is named."""
+    fmt = str(q.get("format", ""))
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError("compressed-tensors quantization_config has no config_groups")
+    kinds = set()
+    for name, g in groups.items():
+        w, a = (g or {}).get("weights") or {}, (g or {}).get("input_activations")
+        wtype, bits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy")
+        if wtype == "int" and bits == 8 and strategy == "channel" and w.get("symmetric", True):
+            if not (a and a.get("type") == "int" and a.get("num_bits") == 8 and a.get("dynamic")
+                    and a.get("strategy") == "token" and a.get("symmetric", True)):
+                raise ConfigError(
+                    f"compressed-tensors group {name}: int8 weights need dynamic per-token symmetric int8 "
+                    f"activations (W8A8), got {a!r}"
+                )
+            kinds.add("w8a8-int8")
+        elif wtype == "float" and bits == 8 and strategy in ("tensor", "channel"):
+            kinds.add("fp8")
+        else:
+            raise ConfigError(
+                f"compressed-tensors group {name} ({fmt or 'no format'}): weights {w!r} are not supported "
+                "(supported: int8 per channel with dynamic per-token int8 activations; fp8 per tensor or channel)"
+            )
+    if len(kinds) > 1:
+        raise ConfigError("compressed-tensors checkpoints mixing int8 and fp8 groups are not supported")
+    return kinds.pop()
 
 
 def _check_packed_int4(q: dict[str, Any]) -> None:

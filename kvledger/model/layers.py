@@ -93,24 +93,22 @@ class Linear(nn.Module):
         from kvledger.model import quant_group, quant_int8
 
         if method == "int8":
-            w = quant_int8.quantize_weight(self.weight.data, alloc=host_memory.zeros)
-            self.weight = nn.Parameter(w.q, requires_grad=False)
-            self.quant_scale = nn.Parameter(w.scale, requires_grad=False)
-            self.quant_wsum = nn.Parameter(w.wsum, requires_grad=False)
+            self.set_quantized(quant_int8.quantize_weight(self.weight.data, alloc=host_memory.zeros))
         elif method == "int4":
             self.set_quantized(quant_group.quantize_weight(self.weight.data, alloc=host_memory.zeros))
-            return
         else:
             raise ValueError(f"unknown quantization {method!r}")
-        self.quant = w
 
-    def set_quantized(self, w: GroupWeight) -> None:
-        """Hold a group-wise weight (on the fly, or read from a GGUF file) instead of a float one."""
+    def set_quantized(self, w: GroupWeight | Int8Weight) -> None:
+        """Hold a quantised weight (made on the fly, or read from a GGUF / GPTQ / AWQ /
+        compressed-tensors checkpoint) instead of a float one."""
         self.weight = nn.Parameter(w.q, requires_grad=False)
         self.quant_scale = nn.Parameter(w.scale, requires_grad=False)
-        if w.zero is not None:
+        if isinstance(w, Int8Weight):
+            self.quant_wsum = nn.Parameter(w.wsum, requires_grad=False)
+        elif w.zero is not None:
             self.quant_zero = nn.Parameter(w.zero, requires_grad=False)
-        if w.perm is not None:
+        if isinstance(w, GroupWeight) and w.perm is not None:
             self.quant_perm = nn.Parameter(w.perm, requires_grad=False)
         self.quant = w
 

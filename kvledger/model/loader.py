@@ -128,6 +128,8 @@ def load_weights(
     sources = _sources(model)
     if reader.quantization in ("gptq", "awq"):
         _load_packed_int4(model, reader, sources, quantization_config(hf_config or {}))
+    elif reader.quantization == "w8a8-int8":
+        _load_w8a8(model, reader, sources)
     missing = [hf for pieces in sources.values() for hf, _, _ in pieces if hf not in reader]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -183,6 +185,40 @@ def _load_packed_int4(
         held = host_memory.zeros(tuple(w.q.shape), dtype=torch.uint8)
         held.copy_(w.q)
         lin.set_quantized(replace(w, q=held))
+        del sources[name]
+
+
+def _load_w8a8(model: LlamaForCausalLM, reader: CheckpointReader, sources: dict[str, list[tuple[str, int, int]]]) -> None:
+    """compressed-tensors INT8 W8A8 projections (int8 ``weight``, ``weight_scale`` per output
+    channel) into their Linear as they are (model/quant_int8.py); others stay in ``sources``."""
+    from kvledger.model.layers import Linear
+    from kvledger.model.quant_int8 import Int8Weight
+    from kvledger.storage import host_memory
+
+    modules = dict(model.named_modules())
+    for name in list(sources):
+        owner, _, leaf = name.rpartition(".")
+        if leaf != "weight" or not isinstance(modules.get(owner), Linear):
+            continue
+        pieces = [reader.get(hf) for hf, _, _ in sources[name]]
+        if any(t.dtype != torch.int8 for t in pieces):
+            continue
+        scales = []
+        for hf, _, n in sources[name]:
+            stem = hf.removesuffix("weight")
+            if stem + "weight_scale" not in reader:
+                raise ConfigError(f"int8 weight {hf} has no {stem}weight_scale in the checkpoint")
+            s = reader.get(stem + "weight_scale").to(torch.float32).reshape(-1)
+            if s.numel() != n:
+                raise ConfigError(f"{stem}weight_scale has {s.numel()} values for {n} output channels")
+            scales.append(s)
+        codes = torch.cat(pieces)
+        if tuple(codes.shape) != tuple(modules[owner].weight.shape):
+            raise ConfigError(f"int8 weights of {owner} have shape {tuple(codes.shape)}; config.json implies {tuple(modules[owner].weight.shape)}")
+        held = host_memory.zeros(tuple(codes.shape), dtype=torch.int8)
+        held.copy_(codes)
+        wsum = codes.to(torch.int32).sum(dim=1, dtype=torch.int32)
+        modules[owner].set_quantized(Int8Weight(held, torch.cat(scales).contiguous(), wsum))
         del sources[name]
 
 
