@@ -111,7 +111,8 @@ def add_parser(subparsers: Any) -> None:
         "--structured-outputs-config",
         default=None,
         help='JSON defaults for structured outputs, e.g. \'{"disable_any_whitespace": true}\' '
-        '(backend: "auto" (default: xgrammar, llguidance for what xgrammar refuses), "xgrammar" or "guidance")',
+        '(backend: "auto" (default: xgrammar, llguidance for what xgrammar refuses), "xgrammar" or "guidance"; '
+        'max_whitespace_cnt: whitespace characters per JSON gap, default 4, null: unbounded)',
     )
     p.add_argument(
         "--max-body-bytes",
