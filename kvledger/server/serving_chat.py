@@ -11,8 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvledger.outputs import CompletionOutput, RequestOutput
-from kvledger.sampling_params import RequestOutputKind
-from kvledger.server.errors import APIError
+from kvledger.server.chat_run import prepare_chat
 from kvledger.server.fields import warning_headers
 from kvledger.server.protocol import (
     ChatChoice,
@@ -26,9 +25,6 @@ from kvledger.server.protocol import (
 from kvledger.server.serving import ServingContext, chat_logprobs, render_prompt_logprobs
 from kvledger.server.streaming import SSEResponse, sse, sse_stream, until_disconnect, usage_of
 from kvledger.server.tool_stream import ToolCallStream, tool_message
-from kvledger.server.tools import chat_constraint
-
-MAX_MESSAGES = 4096  # a chat request's messages (the body limit bounds them too)
 
 
 def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
@@ -36,27 +32,10 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        ctx.check_model(body.model)
-        params = body.to_sampling_params(ctx.sampling_defaults)
-        cfg = ctx.config
-        auto_tools = cfg.enable_auto_tool_choice and cfg.tool_call_parser is not None
-        tool_choice = chat_constraint(body, params, cfg.structured_outputs_config, auto_tools)
-        parser = cfg.tool_call_parser
-        params.output_kind = RequestOutputKind.DELTA  # the engine sends only what is new
-        ctx.check_params(params)
-        if len(body.messages) > MAX_MESSAGES:
-            raise APIError(400, f"at most {MAX_MESSAGES} messages", param="messages")
-        prompt = ctx.render_chat(
-            body.conversation(),
-            body.add_generation_prompt,
-            body.continue_final_message,
-            body.chat_template_kwargs,
-            body.tools,
-        )
-        add_special = body.add_special_tokens
-        if add_special is None:
-            bos = getattr(ctx.tokenizer, "bos_token", None)
-            add_special = not (bos and prompt.startswith(bos))  # the template wrote BOS itself
+        prepared = prepare_chat(ctx, body)
+        params, tool_choice, prompt = prepared.params, prepared.tool_choice, prepared.prompt
+        add_special = prepared.add_special_tokens
+        parser = ctx.config.tool_call_parser
         rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         created = int(time.time())
         streams = await ctx.add_all([prompt], params, rid, body.priority, add_special)
