@@ -16,7 +16,7 @@ import pytest
 from kvledger.errors import InvalidRequestError
 from kvledger.structured.params import DEFAULT_MAX_WHITESPACE_CNT, StructuredOutputsParams
 from tests.data.json_schemas import SCHEMAS
-from tests.test_server import STORIES, ServerProcess
+from tests.test_server import running_stories
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 # Small objects: a bounded string, a bounded integer, an enum, a boolean, a nested object.
@@ -47,15 +47,8 @@ def test_the_grammar_bounds_each_gap():
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    if not (STORIES / "config.json").exists():
-        pytest.skip("stories260k not found")
-    srv = ServerProcess(str(STORIES), "--chat-template", TEMPLATE, "--torch-threads", "1",
-                        log_path=tmp_path_factory.mktemp("srv") / "server.log")
-    try:
-        srv.wait_ready()
-        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
-    finally:
-        srv.stop()
+    with running_stories(tmp_path_factory, "--chat-template", TEMPLATE) as srv:
+        yield srv.client("none")
 
 
 def _ask(client, schema, **kw):

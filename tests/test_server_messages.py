@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.test_server import STORIES, ServerProcess
+from tests.test_server import running_stories
 from tests.test_server_structured import TEMPLATE, WEATHER
 
 KEY = "sk-ant-test"
@@ -28,18 +28,9 @@ TOOL = {"name": "get_weather", "description": "The weather in a city",
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if not (STORIES / "config.json").exists():
-        pytest.skip("stories260k not found")
-    srv = ServerProcess(
-        str(STORIES), "--chat-template", TEMPLATE, "--api-key", KEY, "--served-model-name", NAME,
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--torch-threads", "1",
-        log_path=tmp_path_factory.mktemp("srv") / "server.log",
-    )  # fmt: skip
-    try:
-        srv.wait_ready()
+    with running_stories(tmp_path_factory, "--chat-template", TEMPLATE, "--api-key", KEY, "--served-model-name",
+                         NAME, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as srv:  # fmt: skip
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.test_server import STORIES, ServerProcess
+from tests.test_server import running_stories
 from tests.test_server_structured import TEMPLATE, WEATHER
 
 KEY = "sk-resp-test"
@@ -24,17 +24,9 @@ FN = {"type": "function", **WEATHER["function"]}  # the Responses API's flat fun
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if not (STORIES / "config.json").exists():
-        pytest.skip("stories260k not found")
-    srv = ServerProcess(
-        str(STORIES), "--chat-template", TEMPLATE, "--api-key", KEY, "--served-model-name", NAME,
-        "--torch-threads", "1", log_path=tmp_path_factory.mktemp("srv") / "server.log",
-    )  # fmt: skip
-    try:
-        srv.wait_ready()
+    with running_stories(tmp_path_factory, "--chat-template", TEMPLATE, "--api-key", KEY, "--served-model-name",
+                         NAME) as srv:  # fmt: skip
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

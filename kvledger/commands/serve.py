@@ -108,6 +108,13 @@ def add_parser(subparsers: Any) -> None:
         help="the model family's tool-call format, for tool_choice auto",
     )
     p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["deepseek_r1", "qwen3"],
+        help="separate a reasoning model's <think>...</think> into the message's reasoning field "
+        "(grammars and tool parsing then apply to the answer after it)",
+    )
+    p.add_argument(
         "--structured-outputs-config",
         default=None,
         help='JSON defaults for structured outputs, e.g. \'{"disable_any_whitespace": true}\' '
@@ -365,6 +372,7 @@ def run(args: argparse.Namespace) -> int:
         log_requests=not args.disable_log_requests,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         structured_outputs_config=so_config,
     )
     scheme = "https" if args.ssl_certfile else "http"

@@ -55,6 +55,7 @@ class ServerConfig:
     log_requests: bool = True
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # kvledger.server.tools.TOOL_PARSERS
+    reasoning_parser: str | None = None  # kvledger.reasoning.parsers.REASONING_PARSERS
     structured_outputs_config: dict[str, Any] = field(default_factory=dict)  # server defaults
 
     @property

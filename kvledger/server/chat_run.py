@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from kvledger.engine.front import RequestStream
 from kvledger.outputs import RequestOutput
+from kvledger.reasoning.parsers import REASONING_PARSERS, ReasoningParser, ReasoningSplitter
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
 from kvledger.server.errors import APIError, validation_message
 from kvledger.server.fields import FieldError
@@ -44,6 +45,27 @@ class PreparedChat:
     tool_choice: ToolChoice
     prompt: str
     add_special_tokens: bool
+    reasoning: ReasoningParser | None = None  # --reasoning-parser
+    starts_in_reasoning: bool = False
+    include_reasoning: bool = True
+
+    def splitter(self) -> ReasoningSplitter | None:
+        """A choice's stream splitter (None without a reasoning parser)."""
+        return self.reasoning.splitter(self.starts_in_reasoning) if self.reasoning is not None else None
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole choice's (reasoning, answer text); the answer goes on to the tool parsers."""
+        if self.reasoning is None:
+            return None, text
+        thought, answer = self.reasoning.split(text, self.starts_in_reasoning)
+        return thought, answer or ""
+
+    def thinking(self, thought: str | None) -> dict[str, str]:
+        """The message fields that carry the thinking: vLLM's ``reasoning`` and the former
+        ``reasoning_content``; none when empty or not asked for."""
+        if not thought or not self.include_reasoning:
+            return {}
+        return {"reasoning": thought, "reasoning_content": thought}
 
 
 def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedChat:
@@ -69,7 +91,16 @@ def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedCh
     if add_special is None:
         bos = getattr(ctx.tokenizer, "bos_token", None)
         add_special = not (bos and prompt.startswith(bos))  # the template wrote BOS itself
-    return PreparedChat(params, tool_choice, prompt, add_special)
+    prepared = PreparedChat(params, tool_choice, prompt, add_special, include_reasoning=body.include_reasoning)
+    if cfg.reasoning_parser is not None:
+        parser = prepared.reasoning = REASONING_PARSERS[cfg.reasoning_parser]
+        prepared.starts_in_reasoning = parser.starts_in_reasoning(prompt, body.chat_template_kwargs)
+        if prepared.starts_in_reasoning and params.structured_outputs is not None:
+            # The grammar (a schema, or a forced tool call) applies to the answer, after the
+            # thinking's end tag (a single special token in the models these parsers serve).
+            end_ids = ctx.tokenizer(parser.end, add_special_tokens=False).input_ids
+            params.structured_outputs.reasoning_end_ids = tuple(end_ids)
+    return prepared
 
 
 @dataclass
@@ -80,6 +111,7 @@ class Piece:
     tool_calls: list[dict[str, Any]]  # OpenAI's delta.tool_calls fragments
     finish_reason: str | None  # set on the last piece (OpenAI's: stop, length, tool_calls)
     stop_reason: int | str | None = None  # the stop string or token that ended it
+    reasoning: str = ""  # thinking (--reasoning-parser)
 
 
 @dataclass
@@ -91,6 +123,7 @@ class Answer:
     finish_reason: str | None
     stop_reason: int | str | None
     usage: UsageInfo
+    reasoning: str | None = None  # thinking (--reasoning-parser)
 
 
 @dataclass
@@ -128,16 +161,20 @@ class ChatRun:
         """The answer as it forms; engine errors propagate (the caller renders them)."""
         choice, parser = self.prepared.tool_choice, self.ctx.config.tool_call_parser
         tools = ToolCallStream(choice, parser) if choice.mode != "none" else None
+        splitter = self.prepared.splitter()
         async for out in self.stream:
             self.last = out
             c = out.outputs[0]
             finished = c.finish_reason is not None
+            thought, text = splitter.step(c.text, final=finished) if splitter is not None else ("", c.text)
+            if not self.prepared.include_reasoning:
+                thought = ""
             if tools is not None:
-                content, fragments, finish = tools.step(c.text, c.finish_reason if finished else None)
+                content, fragments, finish = tools.step(text, c.finish_reason if finished else None)
             else:
-                content, fragments, finish = c.text, [], c.finish_reason
-            if content or fragments or finished:
-                yield Piece(content, fragments, finish, c.stop_reason if finished else None)
+                content, fragments, finish = text, [], c.finish_reason
+            if content or fragments or thought or finished:
+                yield Piece(content, fragments, finish, c.stop_reason if finished else None, thought)
 
     async def answer(self, request: Request | None) -> Answer | None:
         """The whole answer; None when the client left first (the request is aborted).
@@ -155,5 +192,9 @@ class ChatRun:
         self.last = out
         c = out.outputs[0]
         choice, parser = self.prepared.tool_choice, self.ctx.config.tool_call_parser
-        content, calls, finish = tool_message(choice, parser, c.text, c.finish_reason)
-        return Answer(content, calls, finish, c.stop_reason, self.usage())
+        thought, text = self.prepared.split(c.text)
+        content, calls, finish = tool_message(choice, parser, text, c.finish_reason)
+        if thought is not None and content == "":
+            content = None
+        thought = thought if self.prepared.include_reasoning else None
+        return Answer(content, calls, finish, c.stop_reason, self.usage(), thought)

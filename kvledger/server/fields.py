@@ -58,7 +58,7 @@ SAMPLING_NEUTRAL: dict[str, tuple[Any, ...]] = {
 _CHAT_ONLY = "tool calling is served by /v1/chat/completions"
 _TOOLS = "the legacy functions / function_call fields are not served; use tools / tool_choice"
 _MULTIMODAL = "this server serves text-only models"
-_REASONING = "this server has no reasoning parser"
+_REASONING = "reasoning effort and budgets are not implemented (--reasoning-parser only separates the thinking)"
 _DISAGG = "this server has no KV transfer between instances"
 
 # Field -> (values that mean "off", why any other value is refused).
@@ -76,7 +76,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "repetition_detection": ((None,), "repetition detection is not implemented"),
     "thinking_token_budget": ((None,), _REASONING),
     "reasoning_effort": ((None,), _REASONING),
-    "include_reasoning": ((None, True), _REASONING),
     "prediction": ((None,), "predicted outputs are not implemented"),
     "truncation_side": ((None,), "prompt truncation is not implemented"),
     # inputs kvledger does not take

@@ -75,11 +75,13 @@ class _MessagesBase(_Request):
             if name in _REFUSED:
                 raise FieldError(f"{name} is not supported: {_REFUSED[name]}", param=name)
             raise FieldError(f"unknown field {name!r}", param=name)
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise FieldError(
-                "thinking is not supported: start the server with --reasoning-parser for a "
-                "reasoning model's thinking", param="thinking",
-            )  # fmt: skip
+        if self.thinking is not None and self.thinking.get("type") not in ("enabled", "adaptive", "disabled"):
+            raise FieldError("thinking.type must be enabled, adaptive or disabled", param="thinking")
+
+    @property
+    def wants_thinking(self) -> bool:
+        """Thinking blocks asked for (the budget is not enforced: the model thinks as it does)."""
+        return self.thinking is not None and self.thinking.get("type") in ("enabled", "adaptive")
 
     def chat_fields(self) -> dict[str, Any]:
         """The chat completion request's messages, tools and tool choice."""
@@ -92,6 +94,7 @@ class _MessagesBase(_Request):
         elif self.tools:
             out["tool_choice"] = "auto"  # Anthropic's default with tools
         out.update(_output_config(self.output_config))
+        out["include_reasoning"] = self.wants_thinking
         return out
 
 

@@ -26,7 +26,8 @@ _FORWARDED = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty"
               "stop", "ignore_eos", "min_tokens", "logit_bias", "priority")  # fmt: skip
 _ACCEPTED = frozenset({"metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier"})
 _REFUSED = {
-    "reasoning": "this server has no reasoning effort (see --reasoning-parser)",
+    "reasoning": "reasoning effort and summaries are not implemented (a --reasoning-parser server "
+                 "returns the model's thinking as reasoning items)",
     "conversation": "conversations are not stored; use previous_response_id",
     "prompt": "stored prompt templates are not available",
     "include": "no extra output (reasoning content, logprobs, search results) is produced",
@@ -63,6 +64,8 @@ class ResponsesRequest(_Request):
             if name in _FORWARDED:
                 out[name] = value
             elif name in _REFUSED:
+                if name == "reasoning" and isinstance(value, dict) and all(v is None for v in value.values()):
+                    continue  # {"effort": null, ...}: nothing asked
                 if value not in _NEUTRAL.get(name, ()):
                     raise FieldError(f"{name} is not supported: {_REFUSED[name]}", param=name)
             else:
@@ -199,6 +202,12 @@ def new_id(prefix: str) -> str:
 def message_item(text: str, item_id: str, status: str = "completed") -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def reasoning_item(text: str, item_id: str, status: str = "completed") -> dict[str, Any]:
+    """The thinking (--reasoning-parser) as a reasoning item; not shown to the model again."""
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
 
 
 def call_item(call: ToolCall, item_id: str, status: str = "completed") -> dict[str, Any]:

@@ -53,6 +53,7 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
             # add up to the non-streamed message. Logprobs ride with the next chunk sent.
             tool_streams: dict[int, ToolCallStream] = {}
             held_lps: dict[int, list] = {}
+            splitters: dict[int, Any] = {}  # --reasoning-parser: each choice's thinking apart
 
             def render(
                 i: int, index: int, out: RequestOutput, c: CompletionOutput, step: Any, first: bool
@@ -60,16 +61,21 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
                 if step is None:
                     return []
                 text, _, finished = step
+                thought = ""
+                if prepared.reasoning is not None:
+                    sp = splitters.get(index) or splitters.setdefault(index, prepared.splitter())
+                    thought, text = sp.step(text, final=finished)
+                think = prepared.thinking(thought)
                 if tool_choice.mode != "none":
                     ts = tool_streams.get(index)
                     if ts is None:
                         ts = tool_streams[index] = ToolCallStream(tool_choice, parser)
                     held_lps.setdefault(index, []).extend(c.logprobs or [])
                     content, fragments, finish = ts.step(text, c.finish_reason if finished else None)
-                    if not content and not fragments and not finished:
+                    if not content and not fragments and not think and not finished:
                         return []
                     lp_list = held_lps.pop(index)
-                    delta = DeltaMessage(content=content or None, tool_calls=fragments or None)
+                    delta = DeltaMessage(content=content or None, tool_calls=fragments or None, **think)
                     choice = ChatStreamChoice(
                         index=index,
                         delta=delta,
@@ -84,7 +90,7 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
                     lps = chat_logprobs(c.logprobs, params.logprobs or 0)
                 choice = ChatStreamChoice(
                     index=index,
-                    delta=DeltaMessage(content=text),
+                    delta=DeltaMessage(content=text if text or not think else None, **think),
                     logprobs=lps,
                     finish_reason=c.finish_reason if finished else None,
                 )
@@ -108,12 +114,16 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
         (out,) = outs
         choices = []
         for c in out.outputs:
-            content, calls, finish = tool_message(tool_choice, parser, c.text, c.finish_reason)
+            thought, text = prepared.split(c.text)
+            content, calls, finish = tool_message(tool_choice, parser, text, c.finish_reason)
+            if thought is not None and content == "":
+                content = None  # all thinking, as vLLM answers
             choices.append(
                 ChatChoice(
                     index=c.index,
                     message=ChatResponseMessage(
-                        content=content, tool_calls=[t.to_openai() for t in calls]
+                        content=content, tool_calls=[t.to_openai() for t in calls],
+                        **prepared.thinking(thought),
                     ),
                     logprobs=chat_logprobs(c.logprobs, params.logprobs or 0)
                     if c.logprobs is not None

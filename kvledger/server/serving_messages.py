@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from kvledger.errors import EngineDeadError, KVLedgerError
 from kvledger.server.chat_run import ChatRun, chat_request, prepare_chat
 from kvledger.server.errors import anthropic_error_body
+from kvledger.server.fields import FieldError
 from kvledger.server.protocol import UsageInfo
 from kvledger.server.protocol_anthropic import CountTokensRequest, MessagesRequest
 from kvledger.server.serving import ServingContext
@@ -72,6 +73,15 @@ async def _events(run: ChatRun, message: dict[str, Any]) -> AsyncIterator[str]:
     finish, stop, calls = None, None, False
     try:
         async for piece in run.pieces():
+            if piece.reasoning:
+                if open_kind != "thinking":
+                    if open_kind is not None:
+                        yield _event("content_block_stop", {"index": index})
+                    index, open_kind = index + 1, "thinking"
+                    block = {"type": "thinking", "thinking": "", "signature": ""}
+                    yield _event("content_block_start", {"index": index, "content_block": block})
+                delta = {"type": "thinking_delta", "thinking": piece.reasoning}
+                yield _event("content_block_delta", {"index": index, "delta": delta})
             if piece.content:
                 if open_kind != "text":
                     if open_kind is not None:
@@ -113,6 +123,9 @@ def mount_messages(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
+        if body.wants_thinking and ctx.config.reasoning_parser is None:
+            raise FieldError("thinking needs a reasoning model: start the server with --reasoning-parser",
+                             param="thinking")  # fmt: skip
         chat = chat_request(body.to_chat())
         rid = f"msg_{uuid.uuid4().hex}"
         run = await ChatRun.start(ctx, chat, rid)
@@ -126,6 +139,8 @@ def mount_messages(app: FastAPI, ctx: ServingContext) -> None:
         if answer is None:
             return Response(status_code=499)  # the client is gone
         content: list[dict[str, Any]] = []
+        if answer.reasoning:  # no signature: nothing here verifies a thinking block sent back
+            content.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
         if answer.content:
             content.append({"type": "text", "text": answer.content})
         for call in answer.tool_calls:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -39,10 +40,13 @@ from kvledger.server.protocol_responses import (
     message_item,
     new_id,
     output_messages,
+    reasoning_item,
 )
 from kvledger.server.serving import ServingContext
 from kvledger.server.streaming import SSEResponse
 from kvledger.server.tools import ToolCall
+
+logger = logging.getLogger("kvledger.server")
 
 STORE_SIZE = 1024  # responses kept for previous_response_id and GET, oldest dropped first
 
@@ -98,7 +102,8 @@ def _finish(base: dict[str, Any], output: list[dict[str, Any]], finish: str | No
 
 
 def _answer_items(answer: Answer) -> list[dict[str, Any]]:
-    items = [message_item(answer.content, new_id("msg"))] if answer.content else []
+    items = [reasoning_item(answer.reasoning, new_id("rs"))] if answer.reasoning else []
+    items += [message_item(answer.content, new_id("msg"))] if answer.content else []
     return items + [call_item(c, new_id("fc")) for c in answer.tool_calls]
 
 
@@ -122,7 +127,12 @@ class _Events:
             return []
         i, item = self.open, self.items[self.open]
         self.open = None
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": self.text}
+            item.update(status="completed", content=[part])
+            out = [self.ev("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                           text=self.text)]  # fmt: skip
+        elif item["type"] == "message":
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
             item.update(status="completed", content=[part])
             where = {"item_id": item["id"], "output_index": i, "content_index": 0}
@@ -134,17 +144,29 @@ class _Events:
                            name=item["name"], arguments=item["arguments"])]  # fmt: skip
         return [*out, self.ev("response.output_item.done", output_index=i, item=item)]
 
+    def _begin(self, item: dict[str, Any]) -> list[str]:
+        """Close the open item and open ``item`` (an in-progress output item)."""
+        out = self.close()
+        self.items.append(item)
+        self.open, self.text = len(self.items) - 1, ""
+        return [*out, self.ev("response.output_item.added", output_index=self.open, item=dict(item))]
+
+    def reasoning_delta(self, text: str) -> list[str]:
+        out: list[str] = []
+        if self.open is None or self.items[self.open]["type"] != "reasoning":
+            out += self._begin(reasoning_item("", new_id("rs"), status="in_progress"))
+        self.text += text
+        out.append(self.ev("response.reasoning_text.delta", item_id=self.items[self.open]["id"],
+                           output_index=self.open, content_index=0, delta=text))  # fmt: skip
+        return out
+
     def text_delta(self, text: str) -> list[str]:
         out: list[str] = []
         if self.open is None or self.items[self.open]["type"] != "message":
-            out += self.close()
-            item = message_item("", new_id("msg"), status="in_progress")
-            self.items.append(item)
-            self.open, self.text = len(self.items) - 1, ""
-            out.append(self.ev("response.output_item.added", output_index=self.open, item=dict(item)))
+            out += self._begin(message_item("", new_id("msg"), status="in_progress"))
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out.append(self.ev("response.content_part.added", item_id=item["id"], output_index=self.open,
-                               content_index=0, part=part))  # fmt: skip
+            out.append(self.ev("response.content_part.added", item_id=self.items[self.open]["id"],
+                               output_index=self.open, content_index=0, part=part))  # fmt: skip
         self.text += text
         out.append(self.ev("response.output_text.delta", item_id=self.items[self.open]["id"], output_index=self.open,
                            content_index=0, delta=text, logprobs=[]))  # fmt: skip
@@ -154,11 +176,9 @@ class _Events:
         out: list[str] = []
         fn = frag.get("function") or {}
         if frag["index"] not in self.by_call:
-            out += self.close()
-            item = call_item(ToolCall(fn.get("name") or "", "", frag.get("id") or ""), new_id("fc"), "in_progress")
-            self.items.append(item)
-            self.open = self.by_call[frag["index"]] = len(self.items) - 1
-            out.append(self.ev("response.output_item.added", output_index=self.open, item=dict(item)))
+            call = ToolCall(fn.get("name") or "", "", frag.get("id") or "")
+            out += self._begin(call_item(call, new_id("fc"), "in_progress"))
+            self.by_call[frag["index"]] = self.open  # type: ignore[assignment]
         i = self.by_call[frag["index"]]
         if fn.get("arguments"):
             self.items[i]["arguments"] += fn["arguments"]
@@ -177,6 +197,9 @@ def mount_responses(app: FastAPI, ctx: ServingContext, store: ResponseStore | No
         finish = None
         try:
             async for piece in run.pieces():
+                if piece.reasoning:
+                    for s in e.reasoning_delta(piece.reasoning):
+                        yield s
                 if piece.content:
                     for s in e.text_delta(piece.content):
                         yield s
@@ -203,7 +226,9 @@ def mount_responses(app: FastAPI, ctx: ServingContext, store: ResponseStore | No
         except asyncio.CancelledError:
             item.response.update(status="cancelled", usage=_usage(run.usage()))
             return
-        except (EngineDeadError, KVLedgerError) as err:
+        except Exception as err:  # the engine died, or a bug: the response says so instead of hanging
+            if not isinstance(err, (EngineDeadError, KVLedgerError)):
+                logger.exception("background response %s failed", rid)
             item.response.update(status="failed", error={"code": "server_error", "message": str(err)})
             return
         assert answer is not None

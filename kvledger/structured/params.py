@@ -58,6 +58,9 @@ class StructuredOutputsParams:
     _xgrammar_error: str | None = field(default=None, init=False, repr=False, compare=False)
     guidance_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
     resolved_backend: str | None = field(default=None, init=False, repr=False, compare=False)
+    # A reasoning model's end-of-thinking tag as token ids: the grammar applies after them
+    # (set by the server's --reasoning-parser; kvledger.structured.state.GrammarState)
+    reasoning_end_ids: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.json is not None and hasattr(self.json, "model_json_schema"):

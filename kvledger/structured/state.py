@@ -22,6 +22,12 @@ logger = logging.getLogger("kvledger")
 class GrammarState:
     future: Future  # of the xgrammar CompiledGrammar
     matcher: object | None = None  # xgrammar.GrammarMatcher, made once the grammar is compiled
+    # A reasoning model's output: the grammar starts after these token ids (its end-of-thinking
+    # tag, ``StructuredOutputsParams.reasoning_end_ids``), as vLLM's structured outputs wait
+    # for the reasoning parser's end; until then the row is unconstrained.
+    reasoning_end: tuple[int, ...] = ()
+    in_reasoning: bool = False
+    _tail: tuple[int, ...] = ()  # the last tokens, while in reasoning
 
     @property
     def ready(self) -> bool:
@@ -36,10 +42,16 @@ class GrammarState:
 
     def fork(self) -> GrammarState:
         """A copy for an n > 1 child, in the same state as this one."""
-        return GrammarState(self.future, self.matcher.fork() if self.matcher is not None else None)
+        matcher = self.matcher.fork() if self.matcher is not None else None
+        return GrammarState(self.future, matcher, self.reasoning_end, self.in_reasoning, self._tail)
 
     def accept(self, token: int) -> bool:
         """Advance on an accepted token; True when the grammar has reached its end."""
+        if self.in_reasoning:  # the grammar has not started: watch for the end of the thinking
+            self._tail = (*self._tail, token)[-len(self.reasoning_end) :]
+            if self._tail == self.reasoning_end:
+                self.in_reasoning = False
+            return False
         m = self.matcher
         if not m.accept_token(token):
             # Only a token the mask allowed can be sampled; this would be a bug, not bad input.
