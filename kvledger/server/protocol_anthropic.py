@@ -147,6 +147,8 @@ def _messages(system: str | list[dict[str, Any]] | None, messages: list[MessageP
         for i, block in enumerate(msg.content):
             where = f"messages[{m}].content[{i}]"
             kind = block.get("type")
+            if not isinstance(kind, str):
+                raise FieldError(f"{where}.type must be a string naming the block's kind", param=where)
             if kind == "text":
                 if not isinstance(block.get("text"), str):
                     raise FieldError(f"{where}.text must be a string", param=where)
