@@ -85,3 +85,30 @@ def test_the_grammar_starts_after_the_reasoning_end(stories_path):
     plain = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=60,
                          structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False)[0].outputs[0]  # fmt: skip
     assert plain.text.lstrip().startswith("{") and list(plain.token_ids[:5]) != ids[:5]
+
+
+def test_a_spent_thinking_budget_forces_the_end_ids(stories_path):
+    """thinking_token_budget: after that many free tokens the end ids are forced, one a step,
+    then the grammar holds (budget 0: the thinking ends at once)."""
+    import json
+
+    import jsonschema
+
+    from kvledger import LLM, SamplingParams
+    from kvledger.structured.params import StructuredOutputsParams
+
+    llm = LLM(str(stories_path))
+    greedy = list(llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8),
+                               use_tqdm=False)[0].outputs[0].token_ids)  # fmt: skip
+    end = (7, 11, 13)  # token ids the greedy text does not hold: only forcing writes them
+    assert not set(end) & set(greedy)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for budget in (3, 0):
+        so = StructuredOutputsParams(json=schema)
+        so.reasoning_end_ids, so.thinking_budget = end, budget
+        out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=60, structured_outputs=so),
+                           use_tqdm=False)[0].outputs[0]  # fmt: skip
+        ids = list(out.token_ids)
+        assert ids[:budget] == greedy[:budget] and tuple(ids[budget : budget + 3]) == end, ids
+        answer = llm.get_tokenizer().decode(ids[budget + 3 :], skip_special_tokens=True)
+        jsonschema.validate(json.loads(answer), schema)

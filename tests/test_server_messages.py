@@ -14,6 +14,7 @@ import json
 import anthropic
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from tests.test_server import running_stories
@@ -172,6 +173,9 @@ def test_errors_are_anthropic_shaped(client, server):
             client.messages.create(model=NAME, **kw)
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
         assert needle in e.value.body["error"]["message"], (kw, e.value.body)
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget needs a reasoning model"):
+        server.client(KEY).chat.completions.create(model=NAME, messages=msgs, max_tokens=3,
+                                                   extra_body={"thinking_token_budget": 4})  # fmt: skip
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="nope", max_tokens=5, messages=msgs)
     assert e.value.body["error"]["type"] == "not_found_error"

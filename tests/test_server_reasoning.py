@@ -102,3 +102,22 @@ def test_responses_and_messages_carry_the_thinking(client):
     assert [(b.type, b.thinking) for b in final.content] == [("thinking", reasoning)]
     hidden = claude.messages.create(**kw)  # thinking not asked for: not shown
     assert [(b.type, b.text) for b in hidden.content] == [("text", "")]
+
+
+def test_a_thinking_budget_forces_the_model_through_the_tags(client):
+    """thinking_token_budget (vLLM's field): after 4 thinking tokens `</think>` is forced, so the
+    tiny model, which never closes its thinking, is taken through the tags; the answer after them
+    is free, or held to a schema."""
+    model = client.models.list().data[0].id
+    first4 = client.completions.create(model=model, prompt="Once upon a time\n<think>\n", temperature=0,
+                                       max_tokens=4).choices[0].text  # fmt: skip
+    free = _chat(client, max_tokens=30, extra_body={"thinking_token_budget": 4})
+    reasoning, alias, content, finish = free
+    assert reasoning.strip() == first4.strip() and alias == reasoning and content and finish == "length"
+    assert _chat(client, stream=True, max_tokens=30, extra_body={"thinking_token_budget": 4}) == free
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+    schema_kw = dict(max_tokens=80, response_format=rf, extra_body={"thinking_token_budget": 4})
+    reasoning, _, content, finish = _chat(client, **schema_kw)
+    assert reasoning.strip() == first4.strip() and finish == "stop"
+    jsonschema.validate(json.loads(content), SCHEMA)
+    assert _chat(client, stream=True, **schema_kw) == (reasoning, reasoning, content, finish)

@@ -24,10 +24,13 @@ from kvledger.server.fields import FieldError
 from kvledger.server.protocol import ChatCompletionRequest, UsageInfo
 from kvledger.server.serving import ServingContext
 from kvledger.server.streaming import until_disconnect, usage_of
+from kvledger.server.structured_fields import server_options
 from kvledger.server.tool_stream import ToolCallStream, tool_message
 from kvledger.server.tools import ToolCall, ToolChoice, chat_constraint
+from kvledger.structured.params import StructuredOutputsParams
 
 MAX_MESSAGES = 4096  # a chat request's messages (the body limit bounds them too)
+ANY_TEXT = r"[\s\S]*"  # the grammar of a thinking budget without a schema: any answer
 
 
 def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
@@ -92,14 +95,25 @@ def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedCh
         bos = getattr(ctx.tokenizer, "bos_token", None)
         add_special = not (bos and prompt.startswith(bos))  # the template wrote BOS itself
     prepared = PreparedChat(params, tool_choice, prompt, add_special, include_reasoning=body.include_reasoning)
-    if cfg.reasoning_parser is not None:
-        parser = prepared.reasoning = REASONING_PARSERS[cfg.reasoning_parser]
-        prepared.starts_in_reasoning = parser.starts_in_reasoning(prompt, body.chat_template_kwargs)
-        if prepared.starts_in_reasoning and params.structured_outputs is not None:
-            # The grammar (a schema, or a forced tool call) applies to the answer, after the
-            # thinking's end tag (a single special token in the models these parsers serve).
-            end_ids = ctx.tokenizer(parser.end, add_special_tokens=False).input_ids
-            params.structured_outputs.reasoning_end_ids = tuple(end_ids)
+    budget = body.thinking_token_budget
+    if cfg.reasoning_parser is None:
+        if budget is not None:
+            raise APIError(400, "thinking_token_budget needs a reasoning model: start the server with "
+                           "--reasoning-parser", param="thinking_token_budget")  # fmt: skip
+        return prepared
+    parser = prepared.reasoning = REASONING_PARSERS[cfg.reasoning_parser]
+    prepared.starts_in_reasoning = parser.starts_in_reasoning(prompt, body.chat_template_kwargs)
+    if not prepared.starts_in_reasoning:
+        return prepared  # no thinking: a grammar holds from the first token, a budget is moot
+    if budget is not None and params.structured_outputs is None:
+        # The budget is enforced by the grammar machinery: an any-text grammar after the thinking.
+        params.structured_outputs = StructuredOutputsParams(regex=ANY_TEXT, **server_options(cfg.structured_outputs_config))
+    if params.structured_outputs is not None:
+        # The grammar (a schema, or a forced tool call) applies to the answer, after the
+        # thinking's end tag (a single special token in the models these parsers serve).
+        end_ids = ctx.tokenizer(parser.end, add_special_tokens=False).input_ids
+        params.structured_outputs.reasoning_end_ids = tuple(end_ids)
+        params.structured_outputs.thinking_budget = budget
     return prepared
 
 

@@ -257,6 +257,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # with --reasoning-parser: false drops the thinking
+    thinking_token_budget: int | None = Field(None, ge=0, le=INT64_MAX)  # then </think> is forced
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:

@@ -95,6 +95,9 @@ class _MessagesBase(_Request):
             out["tool_choice"] = "auto"  # Anthropic's default with tools
         out.update(_output_config(self.output_config))
         out["include_reasoning"] = self.wants_thinking
+        budget = (self.thinking or {}).get("budget_tokens")
+        if self.wants_thinking and budget is not None:
+            out["thinking_token_budget"] = budget  # checked as the chat field
         return out
 
 

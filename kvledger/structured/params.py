@@ -61,6 +61,8 @@ class StructuredOutputsParams:
     # A reasoning model's end-of-thinking tag as token ids: the grammar applies after them
     # (set by the server's --reasoning-parser; kvledger.structured.state.GrammarState)
     reasoning_end_ids: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    # vLLM's thinking_token_budget: after this many thinking tokens the end ids are forced
+    thinking_budget: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.json is not None and hasattr(self.json, "model_json_schema"):
