@@ -1,11 +1,16 @@
 """Property-based fuzz of the Anthropic Messages and Responses API request models and their
 translation into a chat request: any JSON body either becomes a chat request with sampling
 params and a conversation, or fails with a client error (pydantic's ValidationError or a
-KVLedgerError, both 400s in the server), never another exception (a 500)."""
+KVLedgerError, both 400s in the server), never another exception (a 500); and the same bodies
+sent to a live server (stories260k, tools, a reasoning parser) are never answered with a 5xx."""
 
 from __future__ import annotations
 
-from hypothesis import given
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -73,3 +78,44 @@ def test_responses_bodies_fail_only_as_client_errors(body):
         _to_chat(req.chat_fields([]))
     except (ValidationError, KVLedgerError):
         return
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    from tests.test_server import running_stories
+    from tests.test_server_structured import TEMPLATE
+
+    with running_stories(tmp_path_factory, "--chat-template", TEMPLATE, "--enable-auto-tool-choice",
+                         "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1") as srv:  # fmt: skip
+        yield srv
+
+
+def _post(live, path: str, body: dict) -> None:
+    try:
+        raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+    except (TypeError, ValueError):
+        return
+    r = httpx.post(f"{live.url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=120)
+    assert r.status_code < 500, (path, body, r.text)
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert err["message"], r.text  # the problem is named
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(body=st.fixed_dictionaries(
+    {"model": _TEXT, "max_tokens": st.integers(-1, 40) | _JSON, "messages": st.lists(_A_MESSAGE, max_size=3) | _JSON},
+    optional={k: _JSON for k in _A_FIELDS},
+))  # fmt: skip
+def test_live_messages_bodies_are_never_5xx(live, body):
+    _post(live, "/v1/messages", body)
+    _post(live, "/v1/messages/count_tokens", body)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(body=st.fixed_dictionaries(
+    {"input": _TEXT | st.lists(_ITEM, max_size=3) | _JSON, "max_output_tokens": st.integers(-1, 40) | _JSON},
+    optional={k: _JSON for k in _R_FIELDS if k != "max_output_tokens"},
+))  # fmt: skip
+def test_live_responses_bodies_are_never_5xx(live, body):
+    _post(live, "/v1/responses", body)
