@@ -17,6 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -118,6 +120,21 @@ class ServerProcess:
             if led["used_blocks"] == 0 and not led["requests"] or time.monotonic() > deadline:
                 return led
             time.sleep(0.1)
+
+
+@contextmanager
+def running_stories(tmp_path_factory, *args: str) -> Iterator[ServerProcess]:
+    """`kvledger serve` of stories260k (one torch thread) with ``args``, for a module's tests;
+    the test is skipped without the model."""
+    if not (STORIES / "config.json").exists():
+        pytest.skip(f"stories260k not found at {STORIES}")
+    srv = ServerProcess(str(STORIES), *args, "--torch-threads", "1",
+                        log_path=tmp_path_factory.mktemp("srv") / "server.log")  # fmt: skip
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -108,10 +108,18 @@ def add_parser(subparsers: Any) -> None:
         help="the model family's tool-call format, for tool_choice auto",
     )
     p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["deepseek_r1", "qwen3"],
+        help="separate a reasoning model's <think>...</think> into the message's reasoning field "
+        "(grammars and tool parsing then apply to the answer after it)",
+    )
+    p.add_argument(
         "--structured-outputs-config",
         default=None,
         help='JSON defaults for structured outputs, e.g. \'{"disable_any_whitespace": true}\' '
-        '(backend: "auto" (default: xgrammar, llguidance for what xgrammar refuses), "xgrammar" or "guidance")',
+        '(backend: "auto" (default: xgrammar, llguidance for what xgrammar refuses), "xgrammar" or "guidance"; '
+        'max_whitespace_cnt: whitespace characters per JSON gap, default 4, null: unbounded)',
     )
     p.add_argument(
         "--max-body-bytes",
@@ -364,6 +372,7 @@ def run(args: argparse.Namespace) -> int:
         log_requests=not args.disable_log_requests,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         structured_outputs_config=so_config,
     )
     scheme = "https" if args.ssl_certfile else "http"

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI over AsyncEngine, assembled here.
 
 The endpoints live one family per module: serving_completion (/v1/completions), serving_chat
-(/v1/chat/completions), ops (health, version, models, ledger, metrics, tokenize), worker_info (what routers such as
+(/v1/chat/completions), serving_messages (Anthropic's /v1/messages) and serving_responses
+(OpenAI's /v1/responses), both over the chat path of chat_run, ops (health, version, models, ledger, metrics, tokenize), worker_info (what routers such as
 sglang-router read from a worker), with what
 they share in serving (ServingContext) and streaming (the one SSE loop). Errors are OpenAI's
 JSON (errors); the guard checks keys and body size before any parsing (guard). Input errors
@@ -54,6 +55,7 @@ class ServerConfig:
     log_requests: bool = True
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # kvledger.server.tools.TOOL_PARSERS
+    reasoning_parser: str | None = None  # kvledger.reasoning.parsers.REASONING_PARSERS
     structured_outputs_config: dict[str, Any] = field(default_factory=dict)  # server defaults
 
     @property
@@ -110,11 +112,15 @@ def build_app(engine: LLMEngine | AsyncCoreEngine, config: ServerConfig) -> Fast
     from kvledger.server.ops import mount_ops
     from kvledger.server.serving_chat import mount_chat
     from kvledger.server.serving_completion import mount_completions
+    from kvledger.server.serving_messages import mount_messages
+    from kvledger.server.serving_responses import mount_responses
     from kvledger.server.worker_info import mount_worker_info
 
     ctx = ServingContext(aengine, config)
     mount_completions(app, ctx)
     mount_chat(app, ctx)
+    mount_messages(app, ctx)
+    mount_responses(app, ctx)
     mount_ops(app, ctx, metrics)
     mount_worker_info(app, ctx)
     return app

@@ -58,7 +58,7 @@ SAMPLING_NEUTRAL: dict[str, tuple[Any, ...]] = {
 _CHAT_ONLY = "tool calling is served by /v1/chat/completions"
 _TOOLS = "the legacy functions / function_call fields are not served; use tools / tool_choice"
 _MULTIMODAL = "this server serves text-only models"
-_REASONING = "this server has no reasoning parser"
+_REASONING = "reasoning effort is not implemented (--reasoning-parser separates the thinking; thinking_token_budget bounds it)"
 _DISAGG = "this server has no KV transfer between instances"
 
 # Field -> (values that mean "off", why any other value is refused).
@@ -74,9 +74,8 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search only"),
     "watermarking": ((None,), "watermarking is not implemented"),
     "repetition_detection": ((None,), "repetition detection is not implemented"),
-    "thinking_token_budget": ((None,), _REASONING),
     "reasoning_effort": ((None,), _REASONING),
-    "include_reasoning": ((None, True), _REASONING),
+    "thinking_token_budget": ((None,), "thinking budgets are served by /v1/chat/completions (--reasoning-parser)"),
     "prediction": ((None,), "predicted outputs are not implemented"),
     "truncation_side": ((None,), "prompt truncation is not implemented"),
     # inputs kvledger does not take

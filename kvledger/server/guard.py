@@ -1,5 +1,6 @@
 """The ASGI guard in front of the app: API keys on /v1/*, then the body-size limit, before
-any parsing."""
+any parsing. The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients, vLLM) or as
+``x-api-key: <key>`` (Anthropic's clients)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvledger.server.errors import error_response
+from kvledger.server.errors import error_for
 
 
 class Guard:
@@ -33,15 +34,19 @@ class Guard:
         if self.api_keys and path.startswith("/v1") and scope["method"] != "OPTIONS":
             auth = headers.get(b"authorization", b"")
             scheme, _, key = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not self._key_ok(key.strip()):
-                msg = "missing API key" if not auth else "incorrect API key"
-                resp = error_response(
-                    401, f"{msg}: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-                )
+            x_key = headers.get(b"x-api-key")
+            bearer_ok = scheme.lower() == b"bearer" and self._key_ok(key.strip())
+            if not bearer_ok and not (x_key is not None and self._key_ok(x_key.strip())):
+                msg = "missing API key" if not auth and x_key is None else "incorrect API key"
+                resp = error_for(
+                    path, 401, f"{msg}: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                    code="invalid_api_key",
+                )  # fmt: skip
                 await resp(scope, receive, send)
                 return
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            too_big = error_response(
+            too_big = error_for(
+                path,
                 413,
                 f"request body is larger than the server's limit of {self.max_body_bytes} bytes",
                 code="request_too_large",

@@ -256,6 +256,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None  # kvledger/server/tools.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # with --reasoning-parser: false drops the thinking
+    thinking_token_budget: int | None = Field(None, ge=0, le=INT64_MAX)  # then </think> is forced
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -390,8 +392,16 @@ class ChatLogprobs(_Response):
     content: list[TokenLogprob] | None = None
 
 
+def _unset(v: Any) -> bool:
+    return v is None
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
+    # --reasoning-parser: the thinking, under vLLM's current name and its former one (which
+    # many clients still read); absent otherwise
+    reasoning: str | None = Field(None, exclude_if=_unset)
+    reasoning_content: str | None = Field(None, exclude_if=_unset)
     content: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # OpenAI's shape
 
@@ -427,6 +437,8 @@ class DetokenizeResponse(_Response):
 
 class DeltaMessage(_Response):
     role: str | None = None
+    reasoning: str | None = Field(None, exclude_if=_unset)
+    reasoning_content: str | None = Field(None, exclude_if=_unset)
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # fragments with an "index"
 

@@ -11,8 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvledger.outputs import CompletionOutput, RequestOutput
-from kvledger.sampling_params import RequestOutputKind
-from kvledger.server.errors import APIError
+from kvledger.server.chat_run import prepare_chat
 from kvledger.server.fields import warning_headers
 from kvledger.server.protocol import (
     ChatChoice,
@@ -26,9 +25,6 @@ from kvledger.server.protocol import (
 from kvledger.server.serving import ServingContext, chat_logprobs, render_prompt_logprobs
 from kvledger.server.streaming import SSEResponse, sse, sse_stream, until_disconnect, usage_of
 from kvledger.server.tool_stream import ToolCallStream, tool_message
-from kvledger.server.tools import chat_constraint
-
-MAX_MESSAGES = 4096  # a chat request's messages (the body limit bounds them too)
 
 
 def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
@@ -36,27 +32,10 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        ctx.check_model(body.model)
-        params = body.to_sampling_params(ctx.sampling_defaults)
-        cfg = ctx.config
-        auto_tools = cfg.enable_auto_tool_choice and cfg.tool_call_parser is not None
-        tool_choice = chat_constraint(body, params, cfg.structured_outputs_config, auto_tools)
-        parser = cfg.tool_call_parser
-        params.output_kind = RequestOutputKind.DELTA  # the engine sends only what is new
-        ctx.check_params(params)
-        if len(body.messages) > MAX_MESSAGES:
-            raise APIError(400, f"at most {MAX_MESSAGES} messages", param="messages")
-        prompt = ctx.render_chat(
-            body.conversation(),
-            body.add_generation_prompt,
-            body.continue_final_message,
-            body.chat_template_kwargs,
-            body.tools,
-        )
-        add_special = body.add_special_tokens
-        if add_special is None:
-            bos = getattr(ctx.tokenizer, "bos_token", None)
-            add_special = not (bos and prompt.startswith(bos))  # the template wrote BOS itself
+        prepared = prepare_chat(ctx, body)
+        params, tool_choice, prompt = prepared.params, prepared.tool_choice, prepared.prompt
+        add_special = prepared.add_special_tokens
+        parser = ctx.config.tool_call_parser
         rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         created = int(time.time())
         streams = await ctx.add_all([prompt], params, rid, body.priority, add_special)
@@ -74,6 +53,7 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
             # add up to the non-streamed message. Logprobs ride with the next chunk sent.
             tool_streams: dict[int, ToolCallStream] = {}
             held_lps: dict[int, list] = {}
+            splitters: dict[int, Any] = {}  # --reasoning-parser: each choice's thinking apart
 
             def render(
                 i: int, index: int, out: RequestOutput, c: CompletionOutput, step: Any, first: bool
@@ -81,16 +61,21 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
                 if step is None:
                     return []
                 text, _, finished = step
+                thought = ""
+                if prepared.reasoning is not None:
+                    sp = splitters.get(index) or splitters.setdefault(index, prepared.splitter())
+                    thought, text = sp.step(text, final=finished)
+                think = prepared.thinking(thought)
                 if tool_choice.mode != "none":
                     ts = tool_streams.get(index)
                     if ts is None:
                         ts = tool_streams[index] = ToolCallStream(tool_choice, parser)
                     held_lps.setdefault(index, []).extend(c.logprobs or [])
                     content, fragments, finish = ts.step(text, c.finish_reason if finished else None)
-                    if not content and not fragments and not finished:
+                    if not content and not fragments and not think and not finished:
                         return []
                     lp_list = held_lps.pop(index)
-                    delta = DeltaMessage(content=content or None, tool_calls=fragments or None)
+                    delta = DeltaMessage(content=content or None, tool_calls=fragments or None, **think)
                     choice = ChatStreamChoice(
                         index=index,
                         delta=delta,
@@ -105,7 +90,7 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
                     lps = chat_logprobs(c.logprobs, params.logprobs or 0)
                 choice = ChatStreamChoice(
                     index=index,
-                    delta=DeltaMessage(content=text),
+                    delta=DeltaMessage(content=text if text or not think else None, **think),
                     logprobs=lps,
                     finish_reason=c.finish_reason if finished else None,
                 )
@@ -129,12 +114,16 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
         (out,) = outs
         choices = []
         for c in out.outputs:
-            content, calls, finish = tool_message(tool_choice, parser, c.text, c.finish_reason)
+            thought, text = prepared.split(c.text)
+            content, calls, finish = tool_message(tool_choice, parser, text, c.finish_reason)
+            if thought is not None and content == "":
+                content = None  # all thinking, as vLLM answers
             choices.append(
                 ChatChoice(
                     index=c.index,
                     message=ChatResponseMessage(
-                        content=content, tool_calls=[t.to_openai() for t in calls]
+                        content=content, tool_calls=[t.to_openai() for t in calls],
+                        **prepared.thinking(thought),
                     ),
                     logprobs=chat_logprobs(c.logprobs, params.logprobs or 0)
                     if c.logprobs is not None

@@ -4,7 +4,8 @@ OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's ``struct
 object and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` fields, in both endpoints. At most one constraint per request, as in vLLM.
 ``defaults`` are the server's ``--structured-outputs-config`` options (e.g.
-``disable_any_whitespace``), which a request's own ``structured_outputs`` options override.
+``disable_any_whitespace``, ``max_whitespace_cnt``), which a request's own ``structured_outputs``
+options override (``"max_whitespace_cnt": null`` asks for unbounded JSON whitespace).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from kvledger.errors import InvalidRequestError
 from kvledger.structured.backends import BACKENDS, guidance_available, resolve_backend
 from kvledger.structured.params import StructuredOutputsParams
 
-_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
+_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback", "max_whitespace_cnt")
 GUIDED_FIELDS = {
     "guided_json": "json",
     "guided_regex": "regex",
@@ -129,6 +130,9 @@ def parse_structured_outputs_config(text: str | None) -> dict[str, Any]:
             f"--structured-outputs-config: unknown keys {sorted(unknown)}; known: backend, "
             + ", ".join(_OPTIONS)
         )
+    cnt = cfg.get("max_whitespace_cnt", 1)
+    if cnt is not None and (isinstance(cnt, bool) or not isinstance(cnt, int) or cnt < 1):
+        raise ConfigError("--structured-outputs-config: max_whitespace_cnt must be a positive integer or null")
     backend = cfg.get("backend", "auto")
     if backend not in BACKENDS:
         raise ConfigError(f"--structured-outputs-config: backend {backend!r} is not one of {', '.join(BACKENDS)}")

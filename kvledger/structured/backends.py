@@ -68,6 +68,9 @@ def guidance_grammar(params: Any) -> str:
             defaults: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
             if params.whitespace_pattern is not None:
                 defaults = {"whitespace_pattern": params.whitespace_pattern}
+            elif not params.disable_any_whitespace and params.max_whitespace_cnt is not None:
+                # llguidance's bound: its flexible whitespace as a pattern with a repeat limit
+                defaults = {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{params.max_whitespace_cnt}}}"}
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)
         elif kind == "regex":
             grammar = llguidance.grammar_from("regex", params.regex)

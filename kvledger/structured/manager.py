@@ -65,7 +65,10 @@ class StructuredOutputManager:
         """Start compiling ``parent``'s grammar; True when it is ready now (a cache hit)."""
         self._constrained = True
         fut = self.compiler.submit(parent.sampling_params.structured_outputs)
-        parent.grammar = GrammarState(fut)
+        so = parent.sampling_params.structured_outputs
+        ends = tuple(getattr(so, "reasoning_end_ids", None) or ())
+        budget = getattr(so, "thinking_budget", None) if ends else None
+        parent.grammar = GrammarState(fut, reasoning_end=ends, in_reasoning=bool(ends), budget=budget)
         if fut.done() and fut.exception() is None:
             self._start(parent)
             return True
@@ -108,6 +111,8 @@ class StructuredOutputManager:
             req = requests[rid]
             if computed + n != len(req.all_token_ids):
                 continue  # a prefill chunk short of the prompt's end: no token this step
+            if req.grammar is not None and req.grammar.in_reasoning and req.grammar.forced_token is None:
+                continue  # still thinking (its n > 1 children too): the grammar has not started
             owners.append(req)
             if req.children and req.num_output_tokens == 0:
                 owners += req.children

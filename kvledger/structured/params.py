@@ -18,6 +18,12 @@ from typing import Any
 from kvledger.errors import InvalidRequestError
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# Whitespace characters allowed in one gap of a JSON grammar (between keys, values and
+# separators; never inside strings) unless the request or server says otherwise. Unbounded (as
+# xgrammar's default), a model that prefers whitespace may emit it until max_tokens: on
+# stories260k every json_schema answer did. 4 still fits a newline plus a small indent
+# (docs/server_notes.md, "JSON whitespace"; benchmarks/json_whitespace.py measured it).
+DEFAULT_MAX_WHITESPACE_CNT = 4
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "; users need the rest.
 _XGR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 _CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:\s*")
@@ -46,14 +52,26 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     disable_fallback: bool = False  # "auto" backend: do not fall back to llguidance
     whitespace_pattern: str | None = None  # the guidance backend's (xgrammar has none)
+    # JSON grammars: at most this many whitespace characters per gap; None: unbounded
+    max_whitespace_cnt: int | None = DEFAULT_MAX_WHITESPACE_CNT
     _grammar: Any = field(default=None, init=False, repr=False, compare=False)
     _xgrammar_error: str | None = field(default=None, init=False, repr=False, compare=False)
     guidance_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
     resolved_backend: str | None = field(default=None, init=False, repr=False, compare=False)
+    # A reasoning model's end-of-thinking tag as token ids: the grammar applies after them
+    # (set by the server's --reasoning-parser; kvledger.structured.state.GrammarState)
+    reasoning_end_ids: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    # vLLM's thinking_token_budget: after this many thinking tokens the end ids are forced
+    thinking_budget: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.json is not None and hasattr(self.json, "model_json_schema"):
             self.json = self.json.model_json_schema()  # a pydantic model class
+        cnt = self.max_whitespace_cnt
+        if cnt is not None and (isinstance(cnt, bool) or not isinstance(cnt, int) or cnt < 1):
+            raise InvalidRequestError(
+                f"max_whitespace_cnt must be a positive integer or null (unbounded), got {cnt!r}"
+            )
         set_kinds = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             raise InvalidRequestError(
@@ -114,7 +132,7 @@ class StructuredOutputsParams:
         elif kind == "choice":
             spec = tuple(self.choice)
         return (kind, spec, self.disable_any_whitespace, self.disable_additional_properties,
-                self.whitespace_pattern)
+                self.whitespace_pattern, self.max_whitespace_cnt)
 
     @property
     def parsed_grammar(self):
@@ -129,7 +147,8 @@ class StructuredOutputsParams:
             if kind == "json":
                 schema = self._schema()
                 return xgr.Grammar.from_json_schema(
-                    json.dumps(schema), any_whitespace=not self.disable_any_whitespace
+                    json.dumps(schema), any_whitespace=not self.disable_any_whitespace,
+                    max_whitespace_cnt=self.max_whitespace_cnt,
                 )
             if kind == "regex":
                 if not isinstance(self.regex, str) or not self.regex:
@@ -152,7 +171,8 @@ class StructuredOutputsParams:
                 return xgr.Grammar.from_ebnf(self.grammar)
             if kind == "json_object":  # any JSON object (not any JSON value), as vLLM
                 return xgr.Grammar.from_json_schema(
-                    '{"type": "object"}', any_whitespace=not self.disable_any_whitespace, strict_mode=False
+                    '{"type": "object"}', any_whitespace=not self.disable_any_whitespace, strict_mode=False,
+                    max_whitespace_cnt=self.max_whitespace_cnt,
                 )
             tag = self.structural_tag
             return xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))

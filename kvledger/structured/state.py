@@ -22,6 +22,25 @@ logger = logging.getLogger("kvledger")
 class GrammarState:
     future: Future  # of the xgrammar CompiledGrammar
     matcher: object | None = None  # xgrammar.GrammarMatcher, made once the grammar is compiled
+    # A reasoning model's output: the grammar starts after these token ids (its end-of-thinking
+    # tag, ``StructuredOutputsParams.reasoning_end_ids``), as vLLM's structured outputs wait
+    # for the reasoning parser's end; until then the row is unconstrained.
+    reasoning_end: tuple[int, ...] = ()
+    in_reasoning: bool = False
+    _tail: tuple[int, ...] = ()  # the last tokens, while in reasoning
+    # thinking_token_budget: thinking tokens allowed before the end ids are forced, one a step
+    budget: int | None = None
+    _thought: int = 0
+    _forced: int = -1  # the position in reasoning_end being forced; -1: not forcing
+
+    def __post_init__(self) -> None:
+        if self.in_reasoning and self.budget == 0:
+            self._forced = 0
+
+    @property
+    def forced_token(self) -> int | None:
+        """The one token this step may take (the budget is spent), or None."""
+        return self.reasoning_end[self._forced] if self.in_reasoning and self._forced >= 0 else None
 
     @property
     def ready(self) -> bool:
@@ -36,10 +55,26 @@ class GrammarState:
 
     def fork(self) -> GrammarState:
         """A copy for an n > 1 child, in the same state as this one."""
-        return GrammarState(self.future, self.matcher.fork() if self.matcher is not None else None)
+        matcher = self.matcher.fork() if self.matcher is not None else None
+        other = GrammarState(self.future, matcher, self.reasoning_end, self.in_reasoning, self._tail, self.budget)
+        other._thought, other._forced = self._thought, self._forced
+        return other
 
     def accept(self, token: int) -> bool:
         """Advance on an accepted token; True when the grammar has reached its end."""
+        if self.in_reasoning:  # the grammar has not started: watch for the end of the thinking
+            if self._forced >= 0:  # the budget is spent: this was the next forced end token
+                self._forced += 1
+                if self._forced == len(self.reasoning_end):
+                    self.in_reasoning, self._forced = False, -1
+                return False
+            self._thought += 1
+            self._tail = (*self._tail, token)[-len(self.reasoning_end) :]
+            if self._tail == self.reasoning_end:
+                self.in_reasoning = False
+            elif self.budget is not None and self._thought >= self.budget:
+                self._forced = 0
+            return False
         m = self.matcher
         if not m.accept_token(token):
             # Only a token the mask allowed can be sampled; this would be a bug, not bad input.
@@ -108,6 +143,12 @@ class MaskBuffer:
         mask = buf[: len(states)]
         xrows, xmatchers = [], []
         for i in rows:
+            forced = states[i].forced_token
+            if forced is not None:  # a spent thinking budget: only the next end token
+                mask[i].zero_()
+                bit = forced & 31
+                mask[i, forced >> 5] = (1 << bit) if bit < 31 else -(1 << 31)
+                continue
             m = states[i].matcher
             if isinstance(m, xgr.GrammarMatcher):
                 xrows.append(i)
