@@ -1,0 +1,69 @@
+"""The scheduler's side of speculative decoding: who may propose, how many drafts, and what a
+verified step tells the adaptive gate and the counters. Torch-free, beside the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvledger.spec_decode.adaptive import AcceptanceGate
+from kvledger.spec_decode.config import SpeculativeConfig
+from kvledger.spec_decode.ngram import NgramIndex
+from kvledger.spec_decode.stats import SpecDecodingStats
+
+
+@dataclass(slots=True)
+class SpecState:
+    """What a request keeps for speculation (on the Request: it survives preemption)."""
+
+    index: NgramIndex
+    gate: AcceptanceGate | None
+
+
+def can_speculate(req: Any) -> bool:
+    """Whether a request's drafts can be verified row by row exactly as it would decode.
+
+    Verification samples every draft row from the state before that step; processors whose
+    result depends on the tokens just before the row (penalties, bad words, the min_tokens
+    EOS ban still in force) would see a stale state, so those requests decode one token at a
+    time (vLLM's rejection sampler also leaves some of them out)."""
+    p = req.sampling_params
+    return not (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+        or req.bad_words_token_ids
+        or req.num_output_tokens < p.min_tokens
+    )
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.stats = SpecDecodingStats(num_spec_tokens=self.k)
+
+    def enabled_for_batch(self, num_running: int) -> bool:
+        """vLLM's ``disable_by_batch_size``: a large batch is compute-bound, drafts don't pay."""
+        return num_running <= self.config.disable_by_batch_size
+
+    def propose(self, req: Any, max_drafts: int) -> list[int]:
+        """Draft tokens for a decoding request (at most ``max_drafts``); [] to decode plainly."""
+        k = min(self.k, max_drafts)
+        if k <= 0 or not can_speculate(req):
+            return []
+        st = req.spec_state
+        if st is None:
+            c = self.config
+            gate = AcceptanceGate() if c.adaptive else None
+            st = req.spec_state = SpecState(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max), gate)
+        if st.gate is not None and not st.gate.allow():
+            return []
+        return st.index.propose(req.all_token_ids, k)
+
+    def observe(self, req: Any, num_drafts: int, num_accepted: int) -> None:
+        """A request's drafts were verified: count them, and feed its gate."""
+        self.stats.observe(num_drafts, num_accepted)
+        gate = req.spec_state.gate if req.spec_state is not None else None
+        if gate is not None:
+            gate.record(num_drafts, num_accepted)

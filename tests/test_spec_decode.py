@@ -1,0 +1,345 @@
+"""Speculative decoding (n-gram) is exact: the engine's own outputs without speculation are the
+oracle (that engine is itself tested identical to HF transformers), in every mode the engine
+has; rejected drafts' slots are released in the step that rejects them; with temperature > 0
+the emitted tokens follow the target distribution (chi-square at a fixed seed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvledger import LLM, SamplingParams
+from kvledger.errors import ConfigError
+from kvledger.sample.sampler import SampleRequest, sample
+from kvledger.sampling_params import StructuredOutputsParams
+from kvledger.spec_decode.config import SpeculativeConfig
+from kvledger.spec_decode.ngram import NgramIndex
+from kvledger.spec_decode.rejection import num_accepted
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+PROMPTS = [
+    "Once upon a time, there was a little girl named Lily. She loved to play outside.",
+    "Tom and his dog went to the park. Tom and his dog",
+    "The sun was shining. The birds were singing. The sun",
+    "One day, a big bear",
+    "Sue had a red ball. She",
+]
+
+
+def outputs(llm: LLM, prompts, params) -> list[list[list[int]]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def stats(llm: LLM):
+    return llm.llm_engine.scheduler.speculator.stats
+
+
+def assert_exercised(llm: LLM) -> None:
+    """Drafts were both accepted and rejected: the comparison covered both paths."""
+    s = stats(llm)
+    assert s.num_accepted_tokens > 0, s
+    assert s.num_accepted_tokens < s.num_draft_tokens, s
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+def test_config_takes_vllms_keys_and_defaults():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
+
+
+@pytest.mark.parametrize(
+    "value, named",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 3, "lookup": 2}, "lookup"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+         "prompt_lookup_min"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "2"}, "prompt_lookup_min"),
+        ({"model": "/some/draft", "num_speculative_tokens": 2}, "model"),
+        ('{"method": ', "JSON"),
+    ],
+)
+def test_config_refuses_bad_keys_and_values_by_name(value, named):
+    with pytest.raises(ConfigError, match=named):
+        SpeculativeConfig.parse(value)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_refuses_a_bad_config_in_one_line(stories_path, command):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "kvledger", command, str(stories_path),
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "bogus": 1}'],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("kvledger: error:") and "bogus" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# -- the proposer and the acceptance rule ---------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    idx = NgramIndex(2, 3)
+    #         0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    # The tail (1, 2, 3) last occurred ending at 7: what followed it, then the tail itself.
+    assert idx.propose(tokens, 3) == [7, 8, 1]
+    assert NgramIndex(2, 3).propose([4, 5, 6, 4], 3) == []  # no 2-gram of the tail recurs
+    # A periodic tail continues through the proposal itself (an overlapping copy).
+    assert NgramIndex(2, 2).propose([5, 6, 5, 6], 5) == [5, 6, 5, 6, 5]
+
+
+def test_ngram_index_grows_with_the_context():
+    idx = NgramIndex(2, 2)
+    tokens = [1, 2, 3]
+    assert idx.propose(tokens, 2) == []
+    tokens += [4, 1, 2]
+    assert idx.propose(tokens, 2) == [3, 4]
+
+
+def test_acceptance_is_the_longest_agreeing_prefix():
+    assert num_accepted([5, 6, 7], [5, 6, 8, 1]) == 2
+    assert num_accepted([5, 6, 7], [4, 6, 7, 1]) == 0
+    assert num_accepted([5, 6, 7], [5, 6, 7, 1]) == 3
+
+
+def test_random_verification_keeps_the_target_distribution():
+    """Point-mass drafts: accept x with p(x), else a draw from p without x. Over 20,000 seeded
+    trials on a 6-token vocabulary, the first emitted token's frequencies (accepted draft or
+    correction) and the second's after an accepted first draft match the target's softmax
+    (chi-square, p > 0.001)."""
+    from scipy.stats import chisquare
+
+    torch.manual_seed(0)
+    vocab = 6
+    logits = torch.randn(2, vocab) * 1.5
+    target = logits.softmax(-1)
+    drafts = [2, 4]  # the first is likely under row 0, the second under row 1
+    params = SamplingParams(temperature=1.0, seed=7)
+    gen = torch.Generator().manual_seed(7)
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    trials = 20_000
+    for _ in range(trials):
+        rows = [SampleRequest(params, gen), SampleRequest(params, gen), SampleRequest(params, gen)]
+        tokens, _ = sample(torch.cat([logits, logits[1:]]).clone(), rows)
+        a = num_accepted(drafts, tokens)
+        emitted = tokens[: a + 1]
+        first[emitted[0]] += 1
+        if a >= 1:
+            second[emitted[1]] += 1
+    for counts, p in ((first, target[0]), (second, target[1])):
+        expected = (p * counts.sum()).numpy()
+        assert chisquare(counts.numpy(), expected).pvalue > 1e-3
+    # The draft was accepted about as often as its probability says.
+    assert abs(second.sum() / trials - target[0, 2]) < 0.02
+
+
+# -- exactness in every mode -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain(stories_path):
+    return LLM(str(stories_path), calibrate_preemption=False)
+
+
+@pytest.fixture(scope="module")
+def spec(stories_path):
+    return LLM(str(stories_path), calibrate_preemption=False, speculative_config=SPEC)
+
+
+def test_greedy_outputs_are_identical(plain, spec):
+    sp = SamplingParams(temperature=0, max_tokens=120)
+    assert outputs(spec, PROMPTS, sp) == outputs(plain, PROMPTS, sp)
+    assert_exercised(spec)
+    s = stats(spec)
+    assert s.num_drafts and sum(s.num_accepted_tokens_per_pos) == s.num_accepted_tokens
+    assert s.num_accepted_tokens_per_pos == sorted(s.num_accepted_tokens_per_pos, reverse=True)
+
+
+def test_greedy_identical_alone_and_in_a_batch(plain, spec):
+    sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    ref = outputs(plain, PROMPTS, sp)
+    assert [outputs(spec, [p], sp)[0] for p in PROMPTS] == ref
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 7, 11, 13, 29])
+def test_max_tokens_reached_inside_a_draft(plain, spec, max_tokens):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    got = outputs(spec, PROMPTS[1:3], sp)
+    assert got == outputs(plain, PROMPTS[1:3], sp)
+    assert all(len(o[0]) == max_tokens for o in got)
+
+
+def test_stop_strings_and_stop_ids_cut_accepted_drafts(plain, spec):
+    ref_text = plain.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+    text = ref_text[0].outputs[0].text
+    ids = ref_text[0].outputs[0].token_ids
+    # A stop string and a stop token id from the middle of the greedy continuation.
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    for sp in (
+        SamplingParams(temperature=0, max_tokens=60, stop=[stop]),
+        SamplingParams(temperature=0, max_tokens=60, stop=[stop], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[ids[len(ids) // 2]]),
+    ):
+        a = spec.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs[0]
+        b = plain.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+            b.token_ids, b.text, b.finish_reason, b.stop_reason
+        )
+        assert len(b.token_ids) < 60
+
+
+def test_logprobs_of_accepted_tokens_equal_plain_ones(plain, spec):
+    sp = SamplingParams(temperature=0, max_tokens=60, logprobs=3, ignore_eos=True)
+    a = spec.generate(PROMPTS[:2], sp, use_tqdm=False)
+    b = plain.generate(PROMPTS[:2], sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        x, y = x.outputs[0], y.outputs[0]
+        assert x.token_ids == y.token_ids
+        for dx, dy in zip(x.logprobs, y.logprobs):
+            assert list(dx) == list(dy)  # the same tokens in the same order (chosen, then top-3)
+            for t in dx:
+                assert dx[t].rank == dy[t].rank
+                assert dx[t].logprob == pytest.approx(dy[t].logprob, abs=1e-4)
+        assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-3)
+
+
+def test_n_greater_than_one(plain, spec):
+    sp = SamplingParams(temperature=0, max_tokens=50, n=3, ignore_eos=True)
+    assert outputs(spec, PROMPTS[:2], sp) == outputs(plain, PROMPTS[:2], sp)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"enable_prefix_caching": False},
+        {"max_num_batched_tokens": 16},  # chunked prefill beside speculating decodes
+        {"block_size": 4},  # drafts cross several blocks; rollbacks free whole blocks
+        {"kv_cache_dtype": "int8"},
+        {"kv_cache_dtype": "fp8"},
+    ],
+    ids=["no-prefix-cache", "chunked-16", "bs4", "int8-kv", "fp8-kv"],
+)
+def test_greedy_identical_under_engine_options(stories_path, options):
+    sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    a = LLM(str(stories_path), calibrate_preemption=False, speculative_config=SPEC, **options)
+    b = LLM(str(stories_path), calibrate_preemption=False, **options)
+    assert outputs(a, PROMPTS, sp) == outputs(b, PROMPTS, sp)
+    assert_exercised(a)
+
+
+def test_prefix_cache_hits_on_blocks_of_accepted_drafts(spec, plain):
+    """A second run of the same prompts reuses blocks; outputs stay identical."""
+    sp = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
+    first = outputs(spec, PROMPTS, sp)
+    hits = spec.ledger().prefix_cache_hits
+    # The prompt extended by its own greedy output: its blocks, some filled by accepted
+    # drafts, are served from the cache.
+    again = [spec.llm_engine.tokenize(p) + o[0][:-1] for p, o in zip(PROMPTS, first)]
+    sp1 = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert outputs(spec, again, sp1) == outputs(plain, again, sp1)
+    assert spec.ledger().prefix_cache_hits - hits >= sum(len(p) // 16 - 1 for p in again) * 16
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_mid_speculation(stories_path, mode):
+    rng = random.Random(0)
+    prompts = [rng.choice(PROMPTS) for _ in range(24)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(20, 60), ignore_eos=True) for _ in prompts]
+    opts = dict(num_kv_blocks=24, block_size=8, preemption_mode=mode, calibrate_preemption=False)
+    a = LLM(str(stories_path), speculative_config=SPEC, **opts)
+    ref = outputs(LLM(str(stories_path), calibrate_preemption=False), prompts, params)
+    assert outputs(a, prompts, params) == ref
+    assert a.ledger().preemptions[mode] > 0, "the pool was meant to force preemption"
+    assert_exercised(a)
+
+
+def test_structured_outputs_advance_and_roll_back_the_grammar(plain, spec):
+    so = StructuredOutputsParams(regex=r"( ?(Tom|the|dog|park|and|went|to|The|big|red)){6,40}\.")
+    sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
+    before = stats(spec).num_accepted_tokens
+    a = spec.generate(PROMPTS[1:3], sp, use_tqdm=False)
+    b = plain.generate(PROMPTS[1:3], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert [o.outputs[0].text for o in a] == [o.outputs[0].text for o in b]
+    assert stats(spec).num_accepted_tokens > before
+
+
+def test_seeded_random_sampling_runs_and_is_reproducible(spec):
+    sp = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=60, ignore_eos=True)
+    assert outputs(spec, PROMPTS[:2], sp) == outputs(spec, PROMPTS[:2], sp)
+
+
+# -- the ledger through every rollback ---------------------------------------------------------
+
+
+def test_rejected_slots_are_released_in_the_step_and_never_cached(stories_path):
+    """After every step: each running request's tables cover exactly its computed tokens (no
+    slot or block kept for a rejected draft), and every cached block's tokens are a block of
+    some request's verified tokens."""
+    llm = LLM(str(stories_path), calibrate_preemption=False, block_size=4, speculative_config=SPEC)
+    eng = llm.llm_engine
+    kv = eng.kv
+    reqs = []
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), request_id=str(i))
+        reqs.append(eng.scheduler.requests[str(i)])
+    verified: set[tuple[int, ...]] = set()
+    released = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        for req in eng.scheduler.running:
+            assert kv.requests[req.request_id].num_tokens == req.num_computed_tokens
+            assert req.num_computed_tokens == req.num_tokens - 1
+        for req in reqs:
+            toks = req.all_token_ids[: req.num_computed_tokens]
+            verified |= {tuple(toks[j : j + 4]) for j in range(0, len(toks) - 3, 4)}
+        kv.check_invariants()
+        released += stats(llm).last_step_released_blocks
+        for blk in kv.pool.blocks:
+            if blk.block_hash is not None:
+                assert blk.token_ids in verified
+    assert released > 0 and released == stats(llm).released_blocks
+    assert_exercised(llm)
+
+
+def test_metrics_and_ledger_report_speculation(stories_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvledger.engine.stats import capture_stats
+    from kvledger.server.metrics import ServerMetrics
+
+    llm = LLM(str(stories_path), calibrate_preemption=False, speculative_config=SPEC)
+    outputs(llm, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    s = stats(llm)
+    text = ServerMetrics("m").render(capture_stats(llm.llm_engine)).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(name: str) -> float:
+        (sample,) = [x for x in fams[name].samples if x.name.endswith("_total")]
+        assert sample.labels["engine"] == "0"
+        return sample.value
+
+    assert value("vllm:spec_decode_num_drafts") == s.num_drafts > 0
+    assert value("vllm:spec_decode_num_draft_tokens") == s.num_draft_tokens
+    assert value("vllm:spec_decode_num_accepted_tokens") == s.num_accepted_tokens > 0
+    per_pos = {int(x.labels["position"]): x.value for x in fams["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+               if x.name.endswith("_total")}  # fmt: skip
+    assert per_pos == dict(enumerate(s.num_accepted_tokens_per_pos)) and len(per_pos) == 5
+    row = llm.ledger().to_dict()["speculation"]
+    assert row["released_blocks"] == s.released_blocks > 0
+    assert row["released_bytes"] == s.released_blocks * llm.ledger().bytes_per_block
+    assert llm.ledger().used_blocks == 0
