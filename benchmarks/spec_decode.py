@@ -14,7 +14,8 @@
    speculation off, at 1 and at 64 streams.
 
 Threads: ``--threads`` (default 1; on a shared 2-core VM, 2 spin-waiting OpenMP threads swing
-timings by tens of percent). Results: ``bench_out/spec_decode/result.json``.
+timings by tens of percent). Results: ``bench_out/spec_decode/result.json``. ``--method suffix``: suffix decoding, whose
+shared cache holds the prompts run before (never an earlier run of the same prompt).
 """
 
 from __future__ import annotations
@@ -62,8 +63,14 @@ def _timed(llm, prompts: list, params) -> tuple[float, list[list[int]]]:
     return clock() - t0, [o.outputs[0].token_ids for o in outs]
 
 
-def single_stream(off, on, prompts: list[str], repeats: int, max_tokens: int) -> dict[str, Any]:
-    """Each prompt alone; off and on take turns; the fastest repeat of each is kept."""
+def single_stream(
+    off, on, prompts: list[str], repeats: int, max_tokens: int, history: list[list[int]]
+) -> dict[str, Any]:
+    """Each prompt alone; off and on take turns; the fastest repeat of each is kept.
+
+    Method "suffix": before each run its shared cache is rebuilt to hold exactly the prompts
+    run before this one (``history``, prompt + output tokens, one run each), never an earlier
+    repeat of the same prompt, whose output would be its own perfect draft."""
     from kvledger import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -77,9 +84,11 @@ def single_stream(off, on, prompts: list[str], repeats: int, max_tokens: int) ->
         for _ in range(repeats):
             s, a = _timed(off, [p], sp)
             best_off = min(best_off, s)
+            _reset_shared(on, history)
             s, b = _timed(on, [p], sp)
             best_on = min(best_on, s)
             identical &= a == b
+        history.append(off.llm_engine.tokenize(p) + a[0])
         t_off += best_off
         t_on += best_on
         tokens += len(a[0])
@@ -91,6 +100,16 @@ def single_stream(off, on, prompts: list[str], repeats: int, max_tokens: int) ->
         "steps_on": (_steps(on) - steps_before) // repeats,
         "drafts": drafts // repeats, "accepted": accepted // repeats,
     }  # fmt: skip
+
+
+def _reset_shared(on, history: list[list[int]]) -> None:
+    from kvledger.spec_decode.suffix import SuffixCache
+
+    spec = on.llm_engine.scheduler.speculator
+    if spec.shared is not None:
+        spec.shared = SuffixCache(spec.shared.depth, spec.shared.max_requests)
+        for tokens in history:
+            spec.shared.add(tokens)
 
 
 def _steps(llm) -> int:
@@ -157,10 +176,11 @@ def never_a_loss(off, on, streams: int, repeats: int, max_tokens: int) -> dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
-    ap.add_argument("--min", type=int, default=2, help="prompt_lookup_min")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--min", type=int, default=1, help="prompt_lookup_min")
     ap.add_argument("--max", type=int, default=3, help="prompt_lookup_max")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per prompt (never-hit: 2 x + 1)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-adaptive", action="store_true", help="turn the adaptive gate off")
@@ -168,15 +188,17 @@ def main() -> None:
     a = ap.parse_args()
     global CPU_TIME
     CPU_TIME = a.cpu_time
-    spec = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": a.min,
-            "prompt_lookup_max": a.max, "adaptive": not a.no_adaptive}  # fmt: skip
+    spec: dict[str, Any] = {"method": a.method, "num_speculative_tokens": a.k, "adaptive": not a.no_adaptive}
+    if a.method == "ngram":
+        spec.update(prompt_lookup_min=a.min, prompt_lookup_max=a.max)
     off, on = _llm(None, a.threads), _llm(spec, a.threads)
-    print_header("speculative decoding (ngram) off vs on, stories260k, greedy")
+    print_header(f"speculative decoding ({a.method}) off vs on, stories260k, greedy")
     print(f"date    : {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; spec {spec}")
     print(f"timing  : {'CPU' if CPU_TIME else 'wall'} seconds, fastest of {a.repeats} (off and on take turns)")
     result: dict[str, Any] = {"machine": machine_info(), "spec": spec}
+    history: list[list[int]] = []  # method suffix: what the shared cache has seen
     for name, prompts in (("tuned", TUNED), ("held-out", HELD_OUT)):
-        r = result[name] = single_stream(off, on, prompts, a.repeats, a.max_tokens)
+        r = result[name] = single_stream(off, on, prompts, a.repeats, a.max_tokens, history)
         print(
             f"{name:9s}: 1 stream, {r['prompts']} prompts, {r['tokens']} tokens: off "
             f"{r['off_tok_s']:.0f} tok/s, on {r['on_tok_s']:.0f} tok/s, x{r['ratio']:.2f}; "
@@ -185,7 +207,8 @@ def main() -> None:
         )
     for streams in (1, 64):
         on_miss = _llm(spec, a.threads)
-        r = result[f"never_hit_{streams}"] = never_a_loss(off, on_miss, streams, a.repeats, 128)
+        tokens = 256 if streams == 1 else 128
+        r = result[f"never_hit_{streams}"] = never_a_loss(off, on_miss, streams, 2 * a.repeats + 1, tokens)
         print(
             f"never-hit: {streams} stream(s), {r['tokens']} tokens: off {r['off_tok_s']:.0f} tok/s, "
             f"on {r['on_tok_s']:.0f} tok/s, x{r['ratio']:.3f}; {r['drafts']} drafts verified, "

@@ -17,8 +17,10 @@ from kvledger.sampling_params import StructuredOutputsParams
 from kvledger.spec_decode.config import SpeculativeConfig
 from kvledger.spec_decode.ngram import NgramIndex
 from kvledger.spec_decode.rejection import num_accepted
+from kvledger.spec_decode.suffix import SuffixCache, SuffixIndex
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily. She loved to play outside.",
     "Tom and his dog went to the park. Tom and his dog",
@@ -48,6 +50,8 @@ def assert_exercised(llm: LLM) -> None:
 
 
 def test_config_takes_vllms_keys_and_defaults():
+    c = SpeculativeConfig.parse({"method": "suffix", "suffix_decoding_max_tree_depth": 4})
+    assert c.num_speculative_tokens == 4  # vLLM's default for suffix: the depth
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
     c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
@@ -65,6 +69,8 @@ def test_config_takes_vllms_keys_and_defaults():
          "prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "2"}, "prompt_lookup_min"),
         ({"model": "/some/draft", "num_speculative_tokens": 2}, "model"),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "suffix_decoding_min_token_prob"),
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth"),
         ('{"method": ', "JSON"),
     ],
 )
@@ -108,6 +114,25 @@ def test_ngram_index_grows_with_the_context():
     assert idx.propose(tokens, 2) == []
     tokens += [4, 1, 2]
     assert idx.propose(tokens, 2) == [3, 4]
+
+
+def test_suffix_drafts_the_most_frequent_follower_here_and_in_other_requests():
+    shared = SuffixCache(depth=2, max_requests=2)
+    idx = SuffixIndex(shared, min_token_prob=0.3, max_spec_factor=4.0)
+    # In this request 7 followed (1, 2) twice, 8 once: the draft takes 7, then the followers
+    # of (2, 7), (7, 3), (3, 1), ...
+    assert idx.propose([1, 2, 7, 3, 1, 2, 8, 1, 2, 7, 3, 1, 2], 5) == [7, 3, 1, 2, 7]
+    # The longest tail that occurred wins over a more frequent shorter one.
+    assert SuffixIndex(SuffixCache(3, 0), 0.3, 4.0).propose([1, 2, 7, 3, 1, 2, 8, 1, 2, 7, 3, 1, 2], 1) == [8]
+    # Another request's tokens: (5, 9) -> 6 is known only from the shared cache.
+    assert SuffixIndex(shared, 0.3, 4.0).propose([4, 5, 9], 2) == []
+    shared.add([5, 9, 6, 7])
+    assert SuffixIndex(shared, 0.3, 4.0).propose([4, 5, 9], 2) == [6, 7]
+    # The cache keeps the last max_requests requests: the first one's counts leave.
+    shared.add([1, 1])
+    shared.add([2, 2])
+    assert SuffixIndex(shared, 0.3, 4.0).propose([4, 5, 9], 2) == []
+    assert set(shared.counts[1]) == {(1, 1), (2, 2)} or not shared.counts[1]
 
 
 def test_acceptance_is_the_longest_agreeing_prefix():
@@ -167,6 +192,18 @@ def test_greedy_outputs_are_identical(plain, spec):
     s = stats(spec)
     assert s.num_drafts and sum(s.num_accepted_tokens_per_pos) == s.num_accepted_tokens
     assert s.num_accepted_tokens_per_pos == sorted(s.num_accepted_tokens_per_pos, reverse=True)
+
+
+def test_suffix_greedy_outputs_are_identical(stories_path, plain):
+    """Twice over the prompts: the second time the shared cache holds the first run's tokens."""
+    suffix = LLM(str(stories_path), calibrate_preemption=False, speculative_config=SUFFIX)
+    sp = SamplingParams(temperature=0, max_tokens=100)
+    ref = outputs(plain, PROMPTS, sp)
+    assert [outputs(suffix, [p], sp)[0] for p in PROMPTS] == ref
+    first = stats(suffix).num_accepted_tokens
+    assert outputs(suffix, PROMPTS, sp) == ref
+    assert_exercised(suffix)
+    assert stats(suffix).num_accepted_tokens - first > first  # the cache made drafts better
 
 
 def test_greedy_identical_alone_and_in_a_batch(plain, spec):
@@ -230,12 +267,15 @@ def test_n_greater_than_one(plain, spec):
         {"block_size": 4},  # drafts cross several blocks; rollbacks free whole blocks
         {"kv_cache_dtype": "int8"},
         {"kv_cache_dtype": "fp8"},
+        {"block_size": 4, "max_num_batched_tokens": 16, "speculative_config": SUFFIX},
     ],
-    ids=["no-prefix-cache", "chunked-16", "bs4", "int8-kv", "fp8-kv"],
+    ids=["no-prefix-cache", "chunked-16", "bs4", "int8-kv", "fp8-kv", "suffix-bs4-chunked"],
 )
 def test_greedy_identical_under_engine_options(stories_path, options):
     sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    a = LLM(str(stories_path), calibrate_preemption=False, speculative_config=SPEC, **options)
+    options = {"speculative_config": SPEC, **options}
+    a = LLM(str(stories_path), calibrate_preemption=False, **options)
+    del options["speculative_config"]
     b = LLM(str(stories_path), calibrate_preemption=False, **options)
     assert outputs(a, PROMPTS, sp) == outputs(b, PROMPTS, sp)
     assert_exercised(a)

@@ -136,6 +136,8 @@ class Scheduler:
             del self.requests[request.request_id]
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if self.speculator is not None and reason != "abort":
+            self.speculator.on_finished(request)
         if request.num_synced_tokens:
             self.finished_req_ids.append(request.request_id)
 

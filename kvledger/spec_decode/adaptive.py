@@ -3,8 +3,8 @@
 A draft that misses still costs its verification rows, so a request whose proposals keep
 being rejected should stop making them. Each request keeps a slow moving average of the drafts
 it gets accepted per verification; below ``MIN_ACCEPTED`` it pauses for ``backoff`` steps,
-then makes one probe proposal: a hit lifts the average back over the line, a miss pauses again
-for twice as long (up to ``MAX_BACKOFF``). Steps without a proposal (no n-gram match) cost
+then probes with a few proposals: hits lift the average back, misses pause it again for twice
+as long (up to ``MAX_BACKOFF``). Steps without a proposal (no n-gram match) cost
 nothing and do not count.
 
 Why accepted tokens and a slow average: on stories260k greedy continuations (replayed through
@@ -24,6 +24,7 @@ FIRST_AVERAGE = 0.5  # accepted drafts per verification assumed at the start
 # verification cost in steps (measured on stories260k, 1-16 streams: a verification of 1 + 8
 # rows per request cost 1.15-1.4 decode steps; docs/benchmarks.md, "Speculative decoding").
 MIN_ACCEPTED = 0.3
+PROBE_MARGIN = 0.1
 FIRST_BACKOFF = 4
 MAX_BACKOFF = 256
 
@@ -47,6 +48,8 @@ class AcceptanceGate:
         if self.average < MIN_ACCEPTED:
             self.pause = self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
-            self.average = MIN_ACCEPTED  # one good probe lifts it back over the line
+            # The probe gets a few drafts (0.4 x 0.9^3 < 0.3): hits come in bursts, and a single
+            # missed probe of a request that does hit would double its pause.
+            self.average = MIN_ACCEPTED + PROBE_MARGIN
         elif num_accepted:
             self.backoff = FIRST_BACKOFF

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvledger.errors import ConfigError
 from kvledger.json_config import json_object, refuse_unknown
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 # Running requests above which no request speculates, when disable_by_batch_size is unset.
 # Measured on stories260k on a 2-core AMD EPYC (docs/benchmarks.md, "Speculative decoding"):
 # a step verifying 1 + 8 rows per request cost 1.15-1.4x a decode step at 1-16 requests, 2.2-2.4x
@@ -20,7 +20,7 @@ METHODS = ("ngram",)
 DEFAULT_MAX_BATCH = 16
 # vLLM keys refused with a reason (not silently ignored).
 _NOT_IMPLEMENTED = {
-    "model": "a draft model is not implemented (only method 'ngram')",
+    "model": "a draft model is not implemented (methods: ngram, suffix)",
     "draft_tensor_parallel_size": "a draft model is not implemented",
     "quantization": "a draft model is not implemented",
     "revision": "a draft model is not implemented",
@@ -46,6 +46,14 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
     adaptive: bool = True
+    # method "suffix" (vLLM's keys; kvledger.spec_decode.suffix). The depth is that of the
+    # n-gram tables (vLLM's default 24 is a tree's; each level here costs a table entry per
+    # token, so kvledger's default is 8), the cache holds fewer requests than vLLM's 10,000
+    # for the same reason.
+    suffix_decoding_max_tree_depth: int = 8
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -71,6 +79,8 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"speculative_config.method must be one of {', '.join(METHODS)}; got {self.method!r}"
             )
+        if self.method == "suffix":
+            self._validate_suffix()
         if self.num_speculative_tokens is None:
             raise ConfigError("speculative_config.num_speculative_tokens is required")
         _int_at_least("num_speculative_tokens", self.num_speculative_tokens, 1)
@@ -92,6 +102,19 @@ class SpeculativeConfig:
         _int_at_least("disable_by_batch_size", self.disable_by_batch_size, 1)
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+
+
+    def _validate_suffix(self) -> None:
+        _int_at_least("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1)
+        _int_at_least("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
+        f = self.suffix_decoding_max_spec_factor
+        if isinstance(f, bool) or not isinstance(f, int | float) or f <= 0:
+            raise ConfigError(f"speculative_config.suffix_decoding_max_spec_factor must be > 0, got {f!r}")
+        p = self.suffix_decoding_min_token_prob
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p <= 1:
+            raise ConfigError(f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], got {p!r}")
+        if self.num_speculative_tokens is None:  # vLLM's default: the tree's depth
+            self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
 
 
 def _int_at_least(name: str, value: object, low: int) -> None:

@@ -10,13 +10,14 @@ from kvledger.spec_decode.adaptive import AcceptanceGate
 from kvledger.spec_decode.config import SpeculativeConfig
 from kvledger.spec_decode.ngram import NgramIndex
 from kvledger.spec_decode.stats import SpecDecodingStats
+from kvledger.spec_decode.suffix import SuffixCache, SuffixIndex
 
 
 @dataclass(slots=True)
 class SpecState:
     """What a request keeps for speculation (on the Request: it survives preemption)."""
 
-    index: NgramIndex
+    index: NgramIndex | SuffixIndex  # the proposer's per-request part
     gate: AcceptanceGate | None
 
 
@@ -42,6 +43,11 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self.stats = SpecDecodingStats(num_spec_tokens=self.k)
+        self.shared: SuffixCache | None = None  # method "suffix": finished requests' counts
+        if config.method == "suffix":
+            self.shared = SuffixCache(
+                config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests
+            )
 
     def enabled_for_batch(self, num_running: int) -> bool:
         """vLLM's ``disable_by_batch_size``: a large batch is compute-bound, drafts don't pay."""
@@ -54,12 +60,25 @@ class Speculator:
             return []
         st = req.spec_state
         if st is None:
-            c = self.config
-            gate = AcceptanceGate() if c.adaptive else None
-            st = req.spec_state = SpecState(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max), gate)
+            st = req.spec_state = self._new_state()
         if st.gate is not None and not st.gate.allow():
             return []
         return st.index.propose(req.all_token_ids, k)
+
+    def _new_state(self) -> SpecState:
+        c = self.config
+        gate = AcceptanceGate() if c.adaptive else None
+        if self.shared is not None:
+            index = SuffixIndex(
+                self.shared, c.suffix_decoding_min_token_prob, c.suffix_decoding_max_spec_factor
+            )
+            return SpecState(index, gate)
+        return SpecState(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max), gate)
+
+    def on_finished(self, req: Any) -> None:
+        """A request that ran to its end (not aborted): suffix decoding remembers its tokens."""
+        if self.shared is not None and req.num_output_tokens:
+            self.shared.add(list(req.all_token_ids))
 
     def observe(self, req: Any, num_drafts: int, num_accepted: int) -> None:
         """A request's drafts were verified: count them, and feed its gate."""
