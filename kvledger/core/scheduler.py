@@ -137,7 +137,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if self.speculator is not None and reason != "abort":
-            self.speculator.on_finished(request)
+            self.speculator.on_finished(request, len(self.running))
         if request.num_synced_tokens:
             self.finished_req_ids.append(request.request_id)
 

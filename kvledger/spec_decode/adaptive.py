@@ -11,7 +11,8 @@ Why accepted tokens and a slow average: on stories260k greedy continuations (rep
 the proposer, 10 prompts x 300 tokens, k = 8, n-grams 1-3) hits come in bursts after runs of
 misses; pausing after 3 misses in a row, or on a fast average, cut the tokens per step from
 1.79 to 1.44-1.61, this average (weight 0.1, line 0.3) to 1.74. A request whose drafts never
-hit pauses after 5 verifications (0.5 x 0.9^5 < 0.3).
+hit pauses after 3 verifications (0.4 x 0.9^3 < 0.3), then probes twice after each pause:
+13 verifications in 256 tokens.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 EMA_WEIGHT = 0.1  # the newest verification's weight in the average
-FIRST_AVERAGE = 0.5  # accepted drafts per verification assumed at the start
+FIRST_AVERAGE = 0.4  # accepted drafts per verification assumed at the start
 # Pause below this many accepted drafts per verification: about what the k extra rows of a
 # verification cost in steps (measured on stories260k, 1-16 streams: a verification of 1 + 8
 # rows per request cost 1.15-1.4 decode steps; docs/benchmarks.md, "Speculative decoding").
 MIN_ACCEPTED = 0.3
-PROBE_MARGIN = 0.1
+PROBE_MARGIN = 0.05
 FIRST_BACKOFF = 4
 MAX_BACKOFF = 256
 
@@ -48,7 +49,7 @@ class AcceptanceGate:
         if self.average < MIN_ACCEPTED:
             self.pause = self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
-            # The probe gets a few drafts (0.4 x 0.9^3 < 0.3): hits come in bursts, and a single
+            # The probe gets two drafts (0.35 x 0.9^2 < 0.3): hits come in bursts, and a single
             # missed probe of a request that does hit would double its pause.
             self.average = MIN_ACCEPTED + PROBE_MARGIN
         elif num_accepted:

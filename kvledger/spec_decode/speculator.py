@@ -75,10 +75,16 @@ class Speculator:
             return SpecState(index, gate)
         return SpecState(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max), gate)
 
-    def on_finished(self, req: Any) -> None:
-        """A request that ran to its end (not aborted): suffix decoding remembers its tokens."""
-        if self.shared is not None and req.num_output_tokens:
-            self.shared.add(list(req.all_token_ids))
+    def on_finished(self, req: Any, num_running: int) -> None:
+        """A request that ran to its end (not aborted): suffix decoding remembers its output
+        (after the prompt's last tokens, as context; a new request's own prompt is in its own
+        counts, as Arctic keeps a tree per prompt and one over responses). Not while the batch
+        is over ``disable_by_batch_size``: then no request speculates, and counting a finished
+        output (~6 us a token at depth 8) would only slow the large batch down."""
+        if self.shared is None or not req.num_output_tokens or not self.enabled_for_batch(num_running):
+            return
+        start = max(0, req.num_prompt_tokens - self.shared.depth)
+        self.shared.add(req.all_token_ids[start:])
 
     def observe(self, req: Any, num_drafts: int, num_accepted: int) -> None:
         """A request's drafts were verified: count them, and feed its gate."""
