@@ -383,3 +383,19 @@ def test_metrics_and_ledger_report_speculation(stories_path):
     assert row["released_blocks"] == s.released_blocks > 0
     assert row["released_bytes"] == s.released_blocks * llm.ledger().bytes_per_block
     assert llm.ledger().used_blocks == 0
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "mistral_window"])
+def test_greedy_identical_with_sliding_windows(tmp_path, kind):
+    """Hybrid full + sliding groups (Gemma 2, window 7) and an all-sliding model (window 9):
+    rollbacks trim every group's table, windows release blocks behind them, same tokens."""
+    from tests.model_factory import build_hf_model, tiny_config
+
+    build_hf_model(tiny_config(kind), tmp_path)
+    prompts = [[5, 6, 7, 8] * 6, list(range(30, 50)) + list(range(30, 40)), [9, 10, 11] * 5]
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    kw = dict(block_size=4, calibrate_preemption=False)
+    a = LLM(str(tmp_path), speculative_config=SPEC, **kw)
+    assert outputs(a, prompts, sp) == outputs(LLM(str(tmp_path), **kw), prompts, sp)
+    assert_exercised(a)
+    assert a.llm_engine.kv.windowed
