@@ -307,8 +307,16 @@ def test_preemption_mid_speculation(stories_path, mode):
     assert_exercised(a)
 
 
-def test_structured_outputs_advance_and_roll_back_the_grammar(plain, spec):
-    so = StructuredOutputsParams(regex=r"( ?(Tom|the|dog|park|and|went|to|The|big|red)){6,40}\.")
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_structured_outputs_advance_and_roll_back_the_grammar(stories_path, plain, spec, backend):
+    if backend == "guidance":
+        pytest.importorskip("llguidance")
+        kw = dict(calibrate_preemption=False, structured_outputs_config={"backend": "guidance"})
+        plain = LLM(str(stories_path), **kw)
+        spec = LLM(str(stories_path), speculative_config=SPEC, **kw)
+    # Free words, then sentences the prompt holds (drafts that hit), in the grammar's words.
+    words = r"( ?(Tom|the|dog|park|and|went|to|The|big|red)){6,40}\."
+    so = StructuredOutputsParams(regex=words + r"( Tom and his dog went to the (park|big park)\.){1,4}")
     sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
     before = stats(spec).num_accepted_tokens
     a = spec.generate(PROMPTS[1:3], sp, use_tqdm=False)
