@@ -407,3 +407,33 @@ def test_greedy_identical_with_sliding_windows(tmp_path, kind):
     assert outputs(a, prompts, sp) == outputs(LLM(str(tmp_path), **kw), prompts, sp)
     assert_exercised(a)
     assert a.llm_engine.kv.windowed
+
+
+def test_serve_with_speculation_reports_it_on_metrics_and_ledger(stories_path, plain, tmp_path):
+    """`kvledger serve --speculative-config`: the engine core process speculates, the completion
+    is the offline greedy one, /metrics and /v1/ledger show the drafts."""
+    import json
+
+    import httpx
+
+    from tests.test_server import ServerProcess
+
+    srv = ServerProcess(
+        str(stories_path), "--torch-threads", "1", "--no-dashboard",
+        "--speculative-config", json.dumps(SPEC), log_path=tmp_path / "server.log",
+    )  # fmt: skip
+    try:
+        srv.wait_ready()
+        body = {"model": str(stories_path), "prompt": PROMPTS[1], "max_tokens": 60, "temperature": 0}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        want = plain.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
+        accepted = [ln for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_accepted_tokens_total{")]
+        assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0, metrics
+        assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0"' in metrics
+        led = httpx.get(f"{srv.url}/v1/ledger", timeout=30).json()
+        assert led["speculation"]["num_accepted_tokens"] > 0 and led["used_blocks"] == 0
+    finally:
+        srv.stop()
