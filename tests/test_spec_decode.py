@@ -437,3 +437,20 @@ def test_serve_with_speculation_reports_it_on_metrics_and_ledger(stories_path, p
         assert led["speculation"]["num_accepted_tokens"] > 0 and led["used_blocks"] == 0
     finally:
         srv.stop()
+
+
+def test_tensor_parallel_ranks_verify_the_same_drafts(tmp_path):
+    """TP=2: every rank runs the verification rows of the same step message; rank 0 samples and
+    accepts; the tokens are those of TP=1 without speculation."""
+    from tests.model_factory import build_hf_model, tiny_config
+
+    build_hf_model(tiny_config("llama_gqa"), tmp_path)
+    prompts = [[5, 6, 7, 8] * 6, list(range(30, 50)) * 2, [9, 10, 11] * 5]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(block_size=4, calibrate_preemption=False)
+    tp2 = LLM(str(tmp_path), tensor_parallel_size=2, speculative_config=SPEC, **kw)
+    try:
+        assert outputs(tp2, prompts, sp) == outputs(LLM(str(tmp_path), **kw), prompts, sp)
+        assert_exercised(tp2)
+    finally:
+        tp2.llm_engine.shutdown()
