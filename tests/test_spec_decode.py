@@ -454,3 +454,35 @@ def test_tensor_parallel_ranks_verify_the_same_drafts(tmp_path):
         assert_exercised(tp2)
     finally:
         tp2.llm_engine.shutdown()
+
+
+def test_drafts_never_cost_a_request_its_place(stories_path):
+    """Drafts are optional: when the batch's blocks do not fit with them they are dropped
+    before anyone is preempted, and a request at the pool's edge is not ended early for them."""
+    from kvledger.config import CacheConfig, SchedulerConfig
+    from kvledger.core.request import Request
+    from kvledger.core.scheduler import Scheduler
+    from kvledger.spec_decode.speculator import Speculator
+
+    sched = Scheduler.build(SchedulerConfig(), CacheConfig(block_size=4), num_blocks=4, bytes_per_token=1)
+    sched.speculator = Speculator(SpeculativeConfig.parse(SPEC))
+    params = SamplingParams(temperature=0, max_tokens=20)
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, [1, 2, 3, 1, 2, 3, 1], params, max_total_tokens=64))
+    so = sched.schedule()  # both prompts: 2 blocks each, the pool is full
+    sched.update_from_output(so, {"a": 2, "b": 2}, now=0.0)
+    so = sched.schedule()  # each decode fits in its last block; with 5 drafts it would not
+    assert so.req_ids == ["a", "b"] and so.num_scheduled_tokens == [1, 1]
+    assert not so.preempted and not so.spec_token_ids
+    sched.update_from_output(so, {"a": 3, "b": 3}, now=1.0)
+    for rid in ("a", "b"):
+        sched.finish_request(sched.requests[rid], "abort")
+    # At the pool's edge (5 blocks of 4, max_tokens past it) the request ends where it would
+    # without speculation.
+    kw = dict(num_kv_blocks=5, block_size=4, calibrate_preemption=False)
+    prompt = [1, 403, 407, 261, 479, 292, 27, 310, 1, 403, 407, 261]
+    sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    a = LLM(str(stories_path), speculative_config=SPEC, **kw).generate([prompt], sp, use_tqdm=False)[0]
+    b = LLM(str(stories_path), **kw).generate([prompt], sp, use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].finish_reason == b.outputs[0].finish_reason == "length"

@@ -183,10 +183,6 @@ class Scheduler:
                 prefill_left -= n
             if n <= 0:
                 continue
-            drafts = None
-            if n == 1 and spec is not None:  # a decode: verify drafts with its next token
-                drafts = spec.propose(req, min(budget, req.remaining_tokens) - 1)
-                n += len(drafts)
             if windowed:  # blocks behind a window are released, not needed
                 alone = self.kv.blocks_alone(req.num_computed_tokens, req.num_computed_tokens + n)
             else:
@@ -194,6 +190,11 @@ class Scheduler:
             if alone > total_blocks:
                 ended.append(req)  # it can never fit, even alone: stop it (after the loop)
                 continue
+            drafts = None
+            if n == 1 and spec is not None:  # a decode: verify drafts with its next token
+                room = total_blocks * bs - req.num_computed_tokens  # drafts never end a request
+                drafts = spec.propose(req, min(budget, req.remaining_tokens, room) - 1)
+                n += len(drafts)
             plan.append((req, n))
             items.append((req.request_id, n))
             budget -= n
@@ -203,8 +204,14 @@ class Scheduler:
             self.finish_request(req, "length")
             out.ended.append(req.request_id)
 
-        # 2. Preempt until the planned tokens' blocks fit.
+        # 2. Preempt until the planned tokens' blocks fit (drafts are dropped first: they never
+        #    cost another request its place).
+        drafting = spec is not None
         while plan and not self.kv.fits_many(items, self.config.max_num_batched_tokens - budget):
+            if drafting:
+                budget += self._drop_drafts(plan, items)
+                drafting = False
+                continue
             victim = select_victim(
                 self.running,
                 self.config.victim_policy,
@@ -298,6 +305,18 @@ class Scheduler:
         out.table_deltas = self.kv.take_table_deltas()
         self._describe_batch(plan, out)
         return out
+
+    @staticmethod
+    def _drop_drafts(plan: list[tuple[Request, int]], items: list[tuple[str, int]]) -> int:
+        """Unschedule every planned draft (the batch does not fit with them); the tokens freed."""
+        freed = 0
+        for i, (r, n) in enumerate(plan):
+            k = len(r.spec_token_ids)
+            if k:
+                plan[i], items[i] = (r, n - k), (r.request_id, n - k)
+                r.spec_token_ids = []
+                freed += k
+        return freed
 
     def _describe_batch(self, plan: list[tuple[Request, int]], out: SchedulerOutput) -> None:
         """The batch as plain data for the runner(s): ids, new and computed tokens, each new
