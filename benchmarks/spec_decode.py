@@ -38,7 +38,7 @@ TUNED = [
 ]
 HELD_OUT = [
     "Once upon a time, there was a boy named Tim. Tim had a big box of toys.",
-    "Mom said, \"Let's go to the store.\" Lucy was happy.",
+    'Mom said, "Let\'s go to the store." Lucy was happy.',
     "There was a small cat who lived in a house with a kind old man.",
     "Ben wanted to fly like a bird.",
     "It was a cold day. Anna put on her hat and",
@@ -191,13 +191,19 @@ def main() -> None:
     a = ap.parse_args()
     global CPU_TIME
     CPU_TIME = a.cpu_time
-    spec: dict[str, Any] = {"method": a.method, "num_speculative_tokens": a.k, "adaptive": not a.no_adaptive}
+    spec: dict[str, Any] = {
+        "method": a.method,
+        "num_speculative_tokens": a.k,
+        "adaptive": not a.no_adaptive,
+    }
     if a.method == "ngram":
         spec.update(prompt_lookup_min=a.min, prompt_lookup_max=a.max)
     off, on = _llm(None, a.threads), _llm(spec, a.threads)
     print_header(f"speculative decoding ({a.method}) off vs on, stories260k, greedy")
     print(f"date    : {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; spec {spec}")
-    print(f"timing  : {'CPU' if CPU_TIME else 'wall'} seconds, fastest of {a.repeats} (off and on take turns)")
+    print(
+        f"timing  : {'CPU' if CPU_TIME else 'wall'} seconds, fastest of {a.repeats} (off and on take turns)"
+    )
     result: dict[str, Any] = {"machine": machine_info(), "spec": spec}
     history: list[list[int]] = []  # method suffix: what the shared cache has seen
     for name, prompts in (("tuned", TUNED), ("held-out", HELD_OUT)):
@@ -211,7 +217,9 @@ def main() -> None:
     for streams in (1, 64):
         on_miss = _llm(spec, a.threads)
         tokens = 256 if streams == 1 else 128
-        r = result[f"never_hit_{streams}"] = never_a_loss(off, on_miss, streams, 2 * a.repeats + 1, tokens)
+        r = result[f"never_hit_{streams}"] = never_a_loss(
+            off, on_miss, streams, 2 * a.repeats + 1, tokens
+        )
         print(
             f"never-hit: {streams} stream(s), {r['tokens']} tokens: off {r['off_tok_s']:.0f} tok/s, "
             f"on {r['on_tok_s']:.0f} tok/s, x{r['ratio']:.3f} (median of pairs x{r['median_pair_ratio']:.3f}); "

@@ -19,7 +19,12 @@ from kvledger.spec_decode.ngram import NgramIndex
 from kvledger.spec_decode.rejection import num_accepted
 from kvledger.spec_decode.suffix import SuffixCache, SuffixIndex
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 5,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 3,
+}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily. She loved to play outside.",
@@ -54,7 +59,9 @@ def test_config_takes_vllms_keys_and_defaults():
     assert c.num_speculative_tokens == 4  # vLLM's default for suffix: the depth
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
-    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    c = SpeculativeConfig.parse(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    )
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
 
 
@@ -65,12 +72,28 @@ def test_config_takes_vllms_keys_and_defaults():
         ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
-         "prompt_lookup_min"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "2"}, "prompt_lookup_min"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "2"},
+            "prompt_lookup_min",
+        ),
         ({"model": "/some/draft", "num_speculative_tokens": 2}, "model"),
-        ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "suffix_decoding_min_token_prob"),
-        ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth"),
+        (
+            {"method": "suffix", "suffix_decoding_min_token_prob": 2},
+            "suffix_decoding_min_token_prob",
+        ),
+        (
+            {"method": "suffix", "suffix_decoding_max_tree_depth": 0},
+            "suffix_decoding_max_tree_depth",
+        ),
         ('{"method": ', "JSON"),
     ],
 )
@@ -123,7 +146,9 @@ def test_suffix_drafts_the_most_frequent_follower_here_and_in_other_requests():
     # of (2, 7), (7, 3), (3, 1), ...
     assert idx.propose([1, 2, 7, 3, 1, 2, 8, 1, 2, 7, 3, 1, 2], 5) == [7, 3, 1, 2, 7]
     # The longest tail that occurred wins over a more frequent shorter one.
-    assert SuffixIndex(SuffixCache(3, 0), 0.3, 4.0).propose([1, 2, 7, 3, 1, 2, 8, 1, 2, 7, 3, 1, 2], 1) == [8]
+    assert SuffixIndex(SuffixCache(3, 0), 0.3, 4.0).propose(
+        [1, 2, 7, 3, 1, 2, 8, 1, 2, 7, 3, 1, 2], 1
+    ) == [8]
     # Another request's tokens: (5, 9) -> 6 is known only from the shared cache.
     assert SuffixIndex(shared, 0.3, 4.0).propose([4, 5, 9], 2) == []
     shared.add([5, 9, 6, 7])
@@ -221,7 +246,9 @@ def test_max_tokens_reached_inside_a_draft(plain, spec, max_tokens):
 
 
 def test_stop_strings_and_stop_ids_cut_accepted_drafts(plain, spec):
-    ref_text = plain.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+    ref_text = plain.generate(
+        PROMPTS[1], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False
+    )
     text = ref_text[0].outputs[0].text
     ids = ref_text[0].outputs[0].token_ids
     # A stop string and a stop token id from the middle of the greedy continuation.
@@ -234,7 +261,10 @@ def test_stop_strings_and_stop_ids_cut_accepted_drafts(plain, spec):
         a = spec.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs[0]
         b = plain.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs[0]
         assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
-            b.token_ids, b.text, b.finish_reason, b.stop_reason
+            b.token_ids,
+            b.text,
+            b.finish_reason,
+            b.stop_reason,
         )
         assert len(b.token_ids) < 60
 
@@ -298,7 +328,10 @@ def test_prefix_cache_hits_on_blocks_of_accepted_drafts(spec, plain):
 def test_preemption_mid_speculation(stories_path, mode):
     rng = random.Random(0)
     prompts = [rng.choice(PROMPTS) for _ in range(24)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(20, 60), ignore_eos=True) for _ in prompts]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(20, 60), ignore_eos=True)
+        for _ in prompts
+    ]
     opts = dict(num_kv_blocks=24, block_size=8, preemption_mode=mode, calibrate_preemption=False)
     a = LLM(str(stories_path), speculative_config=SPEC, **opts)
     ref = outputs(LLM(str(stories_path), calibrate_preemption=False), prompts, params)
@@ -316,7 +349,9 @@ def test_structured_outputs_advance_and_roll_back_the_grammar(stories_path, plai
         spec = LLM(str(stories_path), speculative_config=SPEC, **kw)
     # Free words, then sentences the prompt holds (drafts that hit), in the grammar's words.
     words = r"( ?(Tom|the|dog|park|and|went|to|The|big|red)){6,40}\."
-    so = StructuredOutputsParams(regex=words + r"( Tom and his dog went to the (park|big park)\.){1,4}")
+    so = StructuredOutputsParams(
+        regex=words + r"( Tom and his dog went to the (park|big park)\.){1,4}"
+    )
     sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
     before = stats(spec).num_accepted_tokens
     a = spec.generate(PROMPTS[1:3], sp, use_tqdm=False)
@@ -343,7 +378,9 @@ def test_rejected_slots_are_released_in_the_step_and_never_cached(stories_path):
     kv = eng.kv
     reqs = []
     for i, p in enumerate(PROMPTS):
-        eng.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), request_id=str(i))
+        eng.add_request(
+            p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), request_id=str(i)
+        )
         reqs.append(eng.scheduler.requests[str(i)])
     verified: set[tuple[int, ...]] = set()
     released = 0
@@ -424,13 +461,24 @@ def test_serve_with_speculation_reports_it_on_metrics_and_ledger(stories_path, p
     )  # fmt: skip
     try:
         srv.wait_ready()
-        body = {"model": str(stories_path), "prompt": PROMPTS[1], "max_tokens": 60, "temperature": 0}
+        body = {
+            "model": str(stories_path),
+            "prompt": PROMPTS[1],
+            "max_tokens": 60,
+            "temperature": 0,
+        }
         r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        want = plain.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+        want = plain.generate(
+            PROMPTS[1], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False
+        )
         assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
         metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
-        accepted = [ln for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_accepted_tokens_total{")]
+        accepted = [
+            ln
+            for ln in metrics.splitlines()
+            if ln.startswith("vllm:spec_decode_num_accepted_tokens_total{")
+        ]
         assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0, metrics
         assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0"' in metrics
         led = httpx.get(f"{srv.url}/v1/ledger", timeout=30).json()
@@ -464,7 +512,9 @@ def test_drafts_never_cost_a_request_its_place(stories_path):
     from kvledger.core.scheduler import Scheduler
     from kvledger.spec_decode.speculator import Speculator
 
-    sched = Scheduler.build(SchedulerConfig(), CacheConfig(block_size=4), num_blocks=4, bytes_per_token=1)
+    sched = Scheduler.build(
+        SchedulerConfig(), CacheConfig(block_size=4), num_blocks=4, bytes_per_token=1
+    )
     sched.speculator = Speculator(SpeculativeConfig.parse(SPEC))
     params = SamplingParams(temperature=0, max_tokens=20)
     for rid in ("a", "b"):
@@ -482,7 +532,9 @@ def test_drafts_never_cost_a_request_its_place(stories_path):
     kw = dict(num_kv_blocks=5, block_size=4, calibrate_preemption=False)
     prompt = [1, 403, 407, 261, 479, 292, 27, 310, 1, 403, 407, 261]
     sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    a = LLM(str(stories_path), speculative_config=SPEC, **kw).generate([prompt], sp, use_tqdm=False)[0]
+    a = LLM(str(stories_path), speculative_config=SPEC, **kw).generate(
+        [prompt], sp, use_tqdm=False
+    )[0]
     b = LLM(str(stories_path), **kw).generate([prompt], sp, use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.outputs[0].finish_reason == b.outputs[0].finish_reason == "length"

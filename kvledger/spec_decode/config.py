@@ -101,18 +101,25 @@ class SpeculativeConfig:
             self.disable_by_batch_size = DEFAULT_MAX_BATCH
         _int_at_least("disable_by_batch_size", self.disable_by_batch_size, 1)
         if not isinstance(self.adaptive, bool):
-            raise ConfigError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
-
+            raise ConfigError(
+                f"speculative_config.adaptive must be true or false, got {self.adaptive!r}"
+            )
 
     def _validate_suffix(self) -> None:
         _int_at_least("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1)
-        _int_at_least("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
+        _int_at_least(
+            "suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0
+        )
         f = self.suffix_decoding_max_spec_factor
         if isinstance(f, bool) or not isinstance(f, int | float) or f <= 0:
-            raise ConfigError(f"speculative_config.suffix_decoding_max_spec_factor must be > 0, got {f!r}")
+            raise ConfigError(
+                f"speculative_config.suffix_decoding_max_spec_factor must be > 0, got {f!r}"
+            )
         p = self.suffix_decoding_min_token_prob
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p <= 1:
-            raise ConfigError(f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], got {p!r}")
+            raise ConfigError(
+                f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], got {p!r}"
+            )
         if self.num_speculative_tokens is None:  # vLLM's default: the tree's depth
             self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
 

@@ -81,7 +81,11 @@ class Speculator:
         counts, as Arctic keeps a tree per prompt and one over responses). Not while the batch
         is over ``disable_by_batch_size``: then no request speculates, and counting a finished
         output (~6 us a token at depth 8) would only slow the large batch down."""
-        if self.shared is None or not req.num_output_tokens or not self.enabled_for_batch(num_running):
+        if (
+            self.shared is None
+            or not req.num_output_tokens
+            or not self.enabled_for_batch(num_running)
+        ):
             return
         start = max(0, req.num_prompt_tokens - self.shared.depth)
         self.shared.add(req.all_token_ids[start:])
