@@ -538,3 +538,18 @@ def test_drafts_never_cost_a_request_its_place(stories_path):
     b = LLM(str(stories_path), **kw).generate([prompt], sp, use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.outputs[0].finish_reason == b.outputs[0].finish_reason == "length"
+
+
+def test_longrope_switch_point_is_never_inside_a_verification(tmp_path):
+    """Phi-3 LongRoPE (switch at 48 tokens): drafts stop short of the switch, so no row is
+    verified with the short factors where decoding one by one would use the long ones."""
+    from tests.model_factory import build_hf_model, tiny_config
+
+    build_hf_model(tiny_config("phi3"), tmp_path)
+    prompts = [[5, 6, 7, 8] * 10, [9, 10, 11] * 10, list(range(20, 40)) * 2]  # 40, 30, 40 tokens
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = dict(block_size=4, calibrate_preemption=False)
+    a = LLM(str(tmp_path), speculative_config=SPEC, **kw)
+    assert outputs(a, prompts, sp) == outputs(LLM(str(tmp_path), **kw), prompts, sp)
+    assert_exercised(a)
+    assert a.llm_engine.scheduler.num_rope_recomputes >= 3

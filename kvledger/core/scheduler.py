@@ -193,6 +193,9 @@ class Scheduler:
             drafts = None
             if n == 1 and spec is not None:  # a decode: verify drafts with its next token
                 room = total_blocks * bs - req.num_computed_tokens  # drafts never end a request
+                if self.rope_long_from is not None and not req.rope_long:
+                    # LongRoPE: no verification row at or past the switch (its factors change)
+                    room = min(room, self.rope_long_from - req.num_computed_tokens)
                 drafts = spec.propose(req, min(budget, req.remaining_tokens, room) - 1)
                 n += len(drafts)
             plan.append((req, n))
@@ -458,8 +461,9 @@ class Scheduler:
         request's sampled token (``sampled``: by request id, or a function of the request, as
         the simulator's placeholder tokens), after a speculating request's ``accepted`` drafts,
         and finishes it at EOS, a stop token id or its length (a stop among the accepted
-        drafts drops the tokens after it; ``Request.num_new_tokens`` says how many stayed). ``fork`` (the engine's) turns an n > 1 parent's children into running
-        requests once the shared prompt is computed. Returns the requests that got a token,
+        drafts drops the tokens after it; ``Request.num_new_tokens`` says how many stayed).
+        ``fork`` (the engine's) turns an n > 1 parent's children into running requests once
+        the shared prompt is computed. Returns the requests that got a token,
         children before their parent; what needs the tokenizer (text, stop strings) is the
         caller's.
         """
