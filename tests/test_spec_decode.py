@@ -297,9 +297,10 @@ def test_n_greater_than_one(plain, spec):
         {"block_size": 4},  # drafts cross several blocks; rollbacks free whole blocks
         {"kv_cache_dtype": "int8"},
         {"kv_cache_dtype": "fp8"},
+        {"kv_cache_dtype": "int8", "kv_recent_tokens": 8},  # rejected rows in the overlay window
         {"block_size": 4, "max_num_batched_tokens": 16, "speculative_config": SUFFIX},
     ],
-    ids=["no-prefix-cache", "chunked-16", "bs4", "int8-kv", "fp8-kv", "suffix-bs4-chunked"],
+    ids=["no-prefix-cache", "chunked-16", "bs4", "int8-kv", "fp8-kv", "int8-recent8", "suffix-bs4-chunked"],
 )
 def test_greedy_identical_under_engine_options(stories_path, options):
     sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)

@@ -242,7 +242,7 @@ class ModelRunner:
             return out
         inp = self.prepare(so)
         if self.overlay is not None:  # quantised KV: full-precision sink / window slots
-            self.overlay.annotate(inp.meta, inp.states)
+            self.overlay.annotate(inp.meta, inp.states, so.spec_token_ids)
         hidden = None
         if self.graphs is not None and inp.meta.is_pure_decode:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
