@@ -300,7 +300,15 @@ def test_n_greater_than_one(plain, spec):
         {"kv_cache_dtype": "int8", "kv_recent_tokens": 8},  # rejected rows in the overlay window
         {"block_size": 4, "max_num_batched_tokens": 16, "speculative_config": SUFFIX},
     ],
-    ids=["no-prefix-cache", "chunked-16", "bs4", "int8-kv", "fp8-kv", "int8-recent8", "suffix-bs4-chunked"],
+    ids=[
+        "no-prefix-cache",
+        "chunked-16",
+        "bs4",
+        "int8-kv",
+        "fp8-kv",
+        "int8-recent8",
+        "suffix-bs4-chunked",
+    ],
 )
 def test_greedy_identical_under_engine_options(stories_path, options):
     sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
@@ -554,3 +562,24 @@ def test_longrope_switch_point_is_never_inside_a_verification(tmp_path):
     assert outputs(a, prompts, sp) == outputs(LLM(str(tmp_path), **kw), prompts, sp)
     assert_exercised(a)
     assert a.llm_engine.scheduler.num_rope_recomputes >= 3
+
+
+def test_history_dependent_processors_decode_one_token_at_a_time(plain, spec):
+    """Penalties, bad words and a min_tokens still in force depend on the tokens just before
+    each row: those requests get no drafts, and decode exactly as without speculation;
+    stateless processors (logit_bias, allowed_token_ids) speculate."""
+    s = stats(spec)
+    for sp in (
+        SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=40, frequency_penalty=0.5, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=40, bad_words=["dog"]),
+    ):
+        drafts = s.num_drafts
+        assert outputs(spec, PROMPTS[1:3], sp) == outputs(plain, PROMPTS[1:3], sp)
+        assert s.num_drafts == drafts
+    sp = SamplingParams(
+        temperature=0, max_tokens=40, min_tokens=30, logit_bias={13: 2.0}, ignore_eos=False
+    )
+    drafts = s.num_drafts
+    assert outputs(spec, PROMPTS[1:3], sp) == outputs(plain, PROMPTS[1:3], sp)
+    assert s.num_drafts > drafts  # after the 30th token
