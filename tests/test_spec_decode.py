@@ -583,3 +583,41 @@ def test_history_dependent_processors_decode_one_token_at_a_time(plain, spec):
     drafts = s.num_drafts
     assert outputs(spec, PROMPTS[1:3], sp) == outputs(plain, PROMPTS[1:3], sp)
     assert s.num_drafts > drafts  # after the 30th token
+
+
+def test_sampled_tokens_after_an_accepted_draft_follow_the_target(stories_path, plain):
+    """Engine level, temperature 1, top-k 5, 6,000 seeds: among the runs whose first token
+    repeats the prompt's pattern and whose second is the proposer's draft (accepted), the third
+    token comes from the verification's second row; its frequencies match the target's top-5
+    softmax after that prefix, computed without speculation (chi-square, p > 0.001)."""
+    from collections import Counter
+
+    from scipy.stats import chisquare
+
+    cfg = {**SPEC, "num_speculative_tokens": 3, "adaptive": False, "disable_by_batch_size": 10_000}
+    llm = LLM(str(stories_path), calibrate_preemption=False, speculative_config=cfg)
+    prompt = llm.llm_engine.tokenize(PROMPTS[1])
+    n = 6000
+    params = [
+        SamplingParams(temperature=1.0, top_k=5, max_tokens=3, seed=i, ignore_eos=True)
+        for i in range(n)
+    ]
+    got = [o[0] for o in outputs(llm, [prompt] * n, params)]
+    pairs = Counter((g[0], g[1]) for g in got)
+    # The most frequent (first, second) where the second is the draft proposed after the first.
+    t1, d = max(
+        (pair for pair in pairs if NgramIndex(2, 3).propose(prompt + [pair[0]], 1) == [pair[1]]),
+        key=pairs.__getitem__,
+    )
+    third = [g[2] for g in got if (g[0], g[1]) == (t1, d)]
+    assert len(third) > 300, len(third)
+    lp = plain.generate(
+        [prompt + [t1, d]], SamplingParams(max_tokens=1, logprobs=5), use_tqdm=False
+    )
+    top = lp[0].outputs[0].logprobs[0]
+    ids = sorted(top, key=lambda t: top[t].rank)[:5]
+    p = torch.tensor([top[t].logprob for t in ids], dtype=torch.float64).softmax(0)
+    counts = torch.tensor([third.count(t) for t in ids], dtype=torch.float64)
+    assert counts.sum() == len(third)  # only top-5 tokens were sampled
+    assert chisquare(counts.numpy(), (p * len(third)).numpy()).pvalue > 1e-3
+    assert stats(llm).num_accepted_tokens > 300
