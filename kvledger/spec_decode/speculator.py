@@ -27,7 +27,7 @@ def can_speculate(req: Any) -> bool:
     Verification samples every draft row from the state before that step; processors whose
     result depends on the tokens just before the row (penalties, bad words, the min_tokens
     EOS ban still in force) would see a stale state, so those requests decode one token at a
-    time (vLLM's rejection sampler also leaves some of them out)."""
+    time."""
     p = req.sampling_params
     return not (
         p.repetition_penalty != 1.0
