@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvledger.cache.block_hash import PREFIX_CACHING_HASH_ALGOS
 from kvledger.cache.kv_events import KVEventsConfig
 from kvledger.errors import ConfigError
+from kvledger.spec_decode.config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "fp8_int8")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -135,11 +136,15 @@ class EngineConfig:
     tp_worker_threads: int | None = None
     tp_step_timeout: float = 60.0
     # vLLM's --quantization, applied on the fly to a float checkpoint: None, "int8" (W8A8,
-    # model/quant_int8.py) or "int4" (weight-only, groups of 32, model/quant_group.py). Checkpoints that carry a quantization_config are read as they are.
+    # model/quant_int8.py) or "int4" (weight-only, groups of 32, model/quant_group.py).
+    # Checkpoints that carry a quantization_config are read as they are.
     quantization: str | None = None
+    # vLLM's speculative_config: a SpeculativeConfig, a dict or its JSON text; None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def validate(self) -> None:
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.dtype not in DTYPE_ALIASES:
             raise ConfigError(
                 f"dtype must be one of {', '.join(DTYPE_ALIASES)}; got {self.dtype!r}"

@@ -64,6 +64,12 @@ class Request:
     finished_time: float | None = None
     bad_words_token_ids: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
     grammar: object | None = None  # kvledger.structured.state.GrammarState when constrained
+    # Speculative decoding: the drafts scheduled this step (verified and cleared by the update),
+    # the proposer's per-request state (kvledger.spec_decode.speculator.SpecState), and how many
+    # tokens the last update appended (1, or accepted drafts + 1).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_state: object | None = None
+    num_new_tokens: int = 0
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
