@@ -9,7 +9,7 @@ does, not read from the cache); the table prints what it picks, and the time of 
 fastest of the three: the target is <= 1.05 at every row count. The builtin rules (measured on Zen 4)
 are scored beside it.
 
-    python -m benchmarks.gemm_dispatch [--dtype float32,bfloat16] [--model bench-60m] [--rows 1,8,700]
+    python -m benchmarks.gemm_dispatch [--dtype float32,bfloat16] [--model bench-60m] [--rows 1,8,700] [--threads 1]
 """
 
 from __future__ import annotations
@@ -85,7 +85,10 @@ def main() -> None:
     ap.add_argument("--model", default="bench-60m")
     ap.add_argument("--dtype", default="float32,bfloat16")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 keeps a shared machine's stalls out")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print_header("GEMM dispatch vs the fastest kernel per row count")
     if native.library() is None:
         raise SystemExit("native kernels unavailable here: nothing to dispatch")

@@ -8,7 +8,7 @@ alternated round by round, medians quoted with their ratio:
   time of 1 (the prefill and first token), so prefill is not counted;
 - 64 streams: 64 prompts of 32 tokens, 32 new tokens each, output tok/s of the whole batch.
 
-    python -m benchmarks.quant_decode [--model bench-230m] [--rounds 3] [--arms bfloat16,int8]
+    python -m benchmarks.quant_decode [--model bench-230m] [--rounds 3] [--arms bfloat16,int8,int4] [--threads 1]
 """
 
 from __future__ import annotations
@@ -42,8 +42,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bench-230m")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--arms", default="bfloat16,int8")
+    ap.add_argument("--arms", default="bfloat16,int8,int4")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     print_header("W8A8 decode vs bf16, same model, same run")
     path = str(ensure_model(args.model))
     arms = args.arms.split(",")

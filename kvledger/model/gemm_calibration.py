@@ -3,8 +3,8 @@
 kernels/gemm_dispatch.py says why; this is the measuring half. Each kernel runs one decoder
 layer's products (the fused qkv, o, gate_up and down weights as the model packed them, in its
 dtype, with this process's threads) at the probe row counts, alternated round by round, the
-fastest round kept. Probes go smallest first within a wall-clock budget; rows past the last probe
-timed are extrapolated per row. The result is cached per CPU model and flags, native build,
+fastest round kept. Probes go both ends first, then the middles of the widest gaps, within a
+wall-clock budget, so a spent budget leaves gaps to interpolate rather than rows to extrapolate. The result is cached per CPU model and flags, native build,
 threads, torch, dtype and shapes, so a later start reads it (logged either way).
 """
 
@@ -49,6 +49,21 @@ def probe_rows(max_rows: int) -> tuple[int, ...]:
     return tuple(r for r in PROBE_ROWS if r < max_rows) + tuple(r for r in PROBE_ROWS if r >= max_rows)[:1]
 
 
+def probe_order(rows: tuple[int, ...]) -> list[int]:
+    """The order probes are timed in: both ends first, then the middle of the widest gap left,
+    so a budget spent early leaves gaps to interpolate, never a range to extrapolate."""
+    order = [rows[0], rows[-1]] if len(rows) > 1 else list(rows)
+    left = [(0, len(rows) - 1)]
+    while left:
+        a, b = left.pop(0)
+        if b - a < 2:
+            continue
+        mid = (a + b) // 2
+        order.append(rows[mid])
+        left += [(a, mid), (mid, b)]
+    return order
+
+
 def _inputs(linears: list[Linear], m: int, dtype: torch.dtype) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(m)
     return [torch.randn(m, lin.small.k, generator=g).to(dtype) for lin in linears]
@@ -70,18 +85,19 @@ def time_layer(linears: list[Linear], xs: list[torch.Tensor], kernel: str) -> fl
 def measure(
     linears: list[Linear], dtype: torch.dtype, max_rows: int, budget_s: float = BUDGET_S
 ) -> GemmDispatch:
-    """Time both kernels at probe_rows(max_rows), smallest first, within budget_s. A probe whose
+    """Time both kernels at probe_rows(max_rows) in probe_order, within budget_s. A probe whose
     rounds disagree by more than NOISY_SPREAD (the second-fastest over the fastest) was timed
     while something else had the cores; past NOISY_SHARE of such probes the result says so
     (``noisy``): it is used for the run but not cached."""
     t0 = time.perf_counter()
     rows, nat, lib, noisy = [], [], [], 0
-    for m in probe_rows(max_rows):
+    for m in probe_order(probe_rows(max_rows)):
         rounds = 5 if m <= 256 else 3
-        if rows:  # this probe's cost, scaled from the last one's: never start one that overruns
-            guess = (nat[-1] + lib[-1]) * 1e-3 * m / rows[-1] * (rounds + 1)
+        if rows:  # this probe's cost, scaled from the largest timed: never start one that overruns
+            i = max(range(len(rows)), key=rows.__getitem__)
+            guess = (nat[i] + lib[i]) * 1e-3 * max(1.0, m / rows[i]) * (rounds + 1)
             if time.perf_counter() - t0 + guess > budget_s:
-                break
+                continue
         xs = _inputs(linears, m, dtype)
         times: dict[str, list[float]] = {"native": [], "onednn": []}
         for r in range(rounds + 1):  # the first round warms both (oneDNN makes its primitive)
@@ -94,6 +110,8 @@ def measure(
         rows.append(m)
         nat.append(fastest["native"][0])
         lib.append(fastest["onednn"][0])
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    rows, nat, lib = ([v[i] for i in order] for v in (rows, nat, lib))
     return GemmDispatch(
         "calibrated", dtype_name(dtype), tuple(rows), tuple(nat), tuple(lib),
         seconds=time.perf_counter() - t0, source="measured", noisy=noisy > NOISY_SHARE * len(rows),
