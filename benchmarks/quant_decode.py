@@ -24,8 +24,8 @@ def _engine(path: str, arm: str):
     from kvledger import LLM
 
     kw = {"dtype": "float32"} if arm == "float32" else {"dtype": "bfloat16"}
-    if arm == "int8":
-        kw["quantization"] = "int8"
+    if arm in ("int8", "int4"):
+        kw["quantization"] = arm
     return LLM(path, kv_cache_memory=1 << 30, calibrate_preemption=False, enable_prefix_caching=False, **kw)
 
 

@@ -57,7 +57,7 @@ def test_an_int8_w8a8_checkpoint_is_the_on_the_fly_w8a8_of_its_float_model(tmp_p
 
     def w8a8(w):
         q = quantize_weight(w)
-        return q.q.clone(), q.scale[:, None].clone(), w
+        return q.codes().clone(), q.scale[:, None].clone(), w
 
     _convert(tmp_path / "float", tmp_path / "ct", W8A8, "int-quantized", w8a8)
     ct = LLM(str(tmp_path / "ct"), dtype="float32", calibrate_preemption=False)

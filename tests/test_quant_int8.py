@@ -33,18 +33,20 @@ def test_row_quantisation_is_the_reference_bit_for_bit(isa, dtype):
 
 @needs_native
 @pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 64), (3, 7, 520), (4, 9, 100), (5, 130, 8), (17, 33, 200)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 64), (3, 7, 520), (4, 9, 100), (5, 130, 8), (17, 33, 200), (2, 5, 30)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_gemm_is_the_reference_bit_for_bit(isa, out, m, n, k, bias):
     """Integer sums are exact, so VNNI (u8 x s8 with the row-sum correction), the int16 pairs of
     the other builds and torch's int64 matmul agree to the bit, tails of K and of the 4x4 tiles
     included."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
-    w = quantize_weight(torch.randn(n, k, generator=g))
+    wf = torch.randn(n, k, generator=g)
+    w = quantize_weight(wf)
     x = torch.randn(m, k, generator=g).to(out)
     b = torch.randn(n, generator=g).to(out) if bias else None
     xq, xs = quantize_rows(x)
     xq[0, : min(k, 8)] = -127  # extreme codes: the VNNI shift's largest products
+    assert torch.equal(w.codes(), quantize_rows(wf)[0])  # the tiled layout (rows to 16, columns to 4) round-trips
     got = native.int8_gemm(xq, xs, w.q, w.scale, w.wsum, b, out)
     want = int8_gemm_reference(xq, xs, w, b, out)
     assert got.dtype == out and torch.equal(got, want)

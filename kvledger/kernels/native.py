@@ -491,18 +491,19 @@ def int8_gemm(
     xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, wsum: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """((xq @ wq^T as int32) * xs[:, None]) * ws[None, :] (+ bias) in out_dtype (float32 or
-    bfloat16; bias of that dtype): int8 codes [M, K] and [N, K], float32 scales, wsum the int32 row
-    sums of wq (csrc/int8_gemm.c)."""
+    """((xq @ W^T as int32) * xs[:, None]) * ws[None, :] (+ bias) in out_dtype (float32 or
+    bfloat16; bias of that dtype): int8 activation codes [M, K]; the weight's codes ``wq`` in
+    csrc/int8_gemm.c's tiled layout (quant_int8.pack: [N rounded up to 16, K rounded up to 4]),
+    its float32 scales ``ws`` [N] and int32 row sums ``wsum``."""
     m, k = xq.shape
-    n = wq.shape[0]
-    if wq.shape[1] != k or out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"int8_gemm: x {tuple(xq.shape)} against weight {tuple(wq.shape)} to {out_dtype}")
+    n = ws.shape[0]
+    if tuple(wq.shape) != (-(-n // 16) * 16, -(-k // 4) * 4) or out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"int8_gemm: x {tuple(xq.shape)} against a packed weight {tuple(wq.shape)} of {n} rows to {out_dtype}")
     y = torch.empty(m, n, dtype=out_dtype)
     lib = library()
     _check(
         lib.kvl_int8_gemm(
-            xq.data_ptr(), xs.data_ptr(), wq.data_ptr(), ws.data_ptr(), wsum.data_ptr(),
+            xq.contiguous().data_ptr(), xs.data_ptr(), wq.data_ptr(), ws.data_ptr(), wsum.data_ptr(),
             None if bias is None else bias.data_ptr(), int(out_dtype == torch.bfloat16), y.data_ptr(),
             m, n, k, torch.get_num_threads(),
         ),

@@ -12,9 +12,20 @@ from __future__ import annotations
 from kvledger.errors import ConfigError
 from kvledger.ledger.spec import ModelSpec
 
-# bytes per weight, bytes per output row (scales and sums), and the row length a format needs a
-# multiple of (a projection whose rows are not is kept in the model dtype, as the engine does)
-FORMATS: dict[str, tuple[float, int, int]] = {"int8": (1.0, 8, 1), "int4": (0.5 + 4 / 32, 0, 32)}
+
+# Bytes a [rows, k] projection is held in, per format: int8 (W8A8): its codes in tiles of 16 rows
+# by 4 columns (padding included) plus a float32 scale and an int32 code sum per row; int4: half a
+# byte per weight plus a float32 scale per 32 (rows that are not whole groups stay in the model
+# dtype: None).
+def _int8(rows: int, k: int) -> int | None:
+    return -(-rows // 16) * 16 * (-(-k // 4) * 4) + rows * 8
+
+
+def _int4(rows: int, k: int) -> int | None:
+    return None if k % 32 else rows * k // 2 + rows * (k // 32) * 4
+
+
+FORMATS = {"int8": _int8, "int4": _int4}
 
 
 def layer_projections(spec: ModelSpec) -> list[tuple[int, int]]:
@@ -33,11 +44,11 @@ def quantized_weight_bytes(spec: ModelSpec, method: str, total_bytes: int) -> in
         raise ConfigError(f"quantization must be one of {', '.join(FORMATS)}; got {method!r}")
     if spec.architecture not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         raise ConfigError(f"quantization {method!r} is planned for dense Llama-family models, not {spec.architecture}")
-    per_weight, per_row, multiple = FORMATS[method]
     saved = 0
     for rows, k in layer_projections(spec):
-        if k % multiple == 0:
-            saved += rows * k * spec.dtype_bytes - (int(rows * k * per_weight) + rows * per_row)
+        held = FORMATS[method](rows, k)
+        if held is not None:
+            saved += rows * k * spec.dtype_bytes - held
     if spec.num_layers * sum(r * k for r, k in layer_projections(spec)) * spec.dtype_bytes > total_bytes:
         raise ConfigError(f"{spec.name}: its layer projections alone exceed the weight size given")
     return total_bytes - spec.num_layers * saved

@@ -192,7 +192,7 @@ def _load_w8a8(model: LlamaForCausalLM, reader: CheckpointReader, sources: dict[
     """compressed-tensors INT8 W8A8 projections (int8 ``weight``, ``weight_scale`` per output
     channel) into their Linear as they are (model/quant_int8.py); others stay in ``sources``."""
     from kvledger.model.layers import Linear
-    from kvledger.model.quant_int8 import Int8Weight
+    from kvledger.model.quant_int8 import from_codes
     from kvledger.storage import host_memory
 
     modules = dict(model.named_modules())
@@ -215,10 +215,7 @@ def _load_w8a8(model: LlamaForCausalLM, reader: CheckpointReader, sources: dict[
         codes = torch.cat(pieces)
         if tuple(codes.shape) != tuple(modules[owner].weight.shape):
             raise ConfigError(f"int8 weights of {owner} have shape {tuple(codes.shape)}; config.json implies {tuple(modules[owner].weight.shape)}")
-        held = host_memory.zeros(tuple(codes.shape), dtype=torch.int8)
-        held.copy_(codes)
-        wsum = codes.to(torch.int32).sum(dim=1, dtype=torch.int32)
-        modules[owner].set_quantized(Int8Weight(held, torch.cat(scales).contiguous(), wsum))
+        modules[owner].set_quantized(from_codes(codes, torch.cat(scales), alloc=host_memory.zeros))
         del sources[name]
 
 

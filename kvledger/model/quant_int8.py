@@ -20,18 +20,50 @@ from kvledger.kernels import native
 SUPPORTED = ("int8", "int4")  # int4: model/quant_group.py
 
 
+TILE = 16  # output rows per tile of csrc/int8_gemm.c's layout
+
+
 @dataclass(frozen=True)
 class Int8Weight:
-    """A [N, K] weight as int8 codes, float32 scales per output row, and the codes' int32 row
-    sums (the VNNI kernel's correction for its unsigned activations)."""
+    """A [N, K] weight as int8 codes in csrc/int8_gemm.c's tiled layout (``pack``), float32 scales
+    per output row, and the codes' int32 row sums (the VNNI kernel's correction for its unsigned
+    activations)."""
 
-    q: torch.Tensor
+    q: torch.Tensor  # [N rounded up to 16, K rounded up to 4], tiled
     scale: torch.Tensor
     wsum: torch.Tensor
+    k: int  # input columns (q's are padded to a multiple of 4)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.wsum))
+
+    def codes(self) -> torch.Tensor:
+        """The plain [N, K] codes."""
+        n, (np_, kp) = self.scale.shape[0], self.q.shape
+        tiled = self.q.view(np_ // TILE, kp // 4, TILE, 4).permute(0, 2, 1, 3)
+        return tiled.reshape(np_, kp)[:n, : self.k]
+
+
+def pack(codes: torch.Tensor, alloc=torch.zeros) -> torch.Tensor:
+    """[N, K] int8 codes in the tiled layout: per tile of 16 rows, per 4 columns, the 16 rows' 4
+    bytes each (padding rows and columns zero), in memory from ``alloc(shape, dtype=)``."""
+    n, k = codes.shape
+    np_, kp = -(-n // TILE) * TILE, -(-k // 4) * 4
+    padded = torch.zeros(np_, kp, dtype=torch.int8)
+    padded[:n, :k] = codes
+    out = alloc((np_, kp), dtype=torch.int8)
+    out.view(np_ // TILE, kp // 4, TILE, 4).copy_(padded.view(np_ // TILE, TILE, kp // 4, 4).permute(0, 2, 1, 3))
+    return out
+
+
+def from_codes(codes: torch.Tensor, scale: torch.Tensor, alloc=torch.zeros) -> Int8Weight:
+    """An Int8Weight from plain codes [N, K] and scales [N] (a checkpoint's or quantize_weight's)."""
+    k = codes.shape[1]
+    if k > 65536:
+        raise ValueError(f"int8 weights of rows longer than 65,536 are not supported, got {k}")
+    wsum = codes.to(torch.int32).sum(dim=1, dtype=torch.int32)
+    return Int8Weight(pack(codes, alloc), scale.to(torch.float32).contiguous(), wsum, k)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,9 +80,7 @@ def quantize_weight(w: torch.Tensor, alloc=torch.zeros) -> Int8Weight:
     """Per-output-row W8 codes; ``alloc(shape, dtype=)`` holds them (host_memory.zeros: huge
     pages, which a decode step streams through with fewer TLB misses, as the float weights)."""
     q, s = quantize_rows(w.detach())
-    codes = alloc(tuple(q.shape), dtype=torch.int8)
-    codes.copy_(q)
-    return Int8Weight(codes, s.contiguous(), q.to(torch.int32).sum(dim=1, dtype=torch.int32))
+    return from_codes(q, s, alloc)
 
 
 def int8_gemm_reference(
@@ -58,7 +88,7 @@ def int8_gemm_reference(
 ) -> torch.Tensor:
     """The same arithmetic as csrc/int8_gemm.c in torch: int32 sums (int64 here, exact, then
     int32), ((float)acc * xs) * ws (+ bias), rounded once to out_dtype."""
-    acc = (xq.to(torch.int64) @ w.q.to(torch.int64).T).to(torch.int32)
+    acc = (xq.to(torch.int64) @ w.codes().to(torch.int64).T).to(torch.int32)
     y = acc.float() * xs[:, None] * w.scale[None, :]
     if bias is not None:
         y = y + bias.float()

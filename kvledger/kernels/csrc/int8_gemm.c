@@ -1,11 +1,16 @@
 /* W8A8 products: int8 weights (per output channel scales) times int8 activations (per row scales,
- * quantised here at each call), int32 accumulation, scaled back to float32 or bfloat16.
+ * quantised at each call), int32 accumulation, scaled back to float32 or bfloat16.
+ *
+ * Weight layout (model/quant_int8.pack, at load): tiles of 16 output rows; within a tile, for each group of
+ * 4 input columns, 16 x 4 bytes (row r's four codes in 32-bit lane r). A product then broadcasts 4
+ * bytes of an activation row and accumulates one 64-byte weight vector into 16 rows' sums at once:
+ * the weight streams sequentially and no horizontal reduction is needed.
  *
  * Integer sums are exact, so every build gives the same int32 per output whatever its order:
- *   - avx512 with avx512_vnni: vpdpbusd, 64 u8 x s8 products a instruction. It wants one unsigned
+ *   - avx512 with avx512_vnni: vpdpbusd, 64 u8 x s8 products an instruction. It wants one unsigned
  *     operand, so activations are shifted to u8 (q + 128) and 128 * sum_k w[n][k] (``wsum``,
  *     computed at load) taken off again;
- *   - other builds: both operands widened to int16, pairs summed by vpmaddwd (exact).
+ *   - other builds: even and odd bytes widened to int16, pairs summed by vpmaddwd (exact).
  * The epilogue is y = ((float)acc * xs[m]) * ws[n] (+ bias[n]), in that order, no fused
  * multiply-add (-std=c11 turns contraction off), so it is bit-for-bit the torch reference
  * (kvledger/model/quant_int8.py) and one row's result never depends on the other rows.
@@ -50,94 +55,86 @@ int kvl_quantize_rows_i8(const void *x, int bf16, int8_t *q, float *s, int64_t M
     return 0;
 }
 
-/* acc[i][j] = sum_k x[i][k] * w[j][k] for MM rows of x and NN rows of w (x already shifted to u8
- * on the VNNI build). */
-static inline __attribute__((always_inline)) void dot_block(const uint8_t *x, const int8_t *w, int64_t K,
-                                                             const int MM, const int NN, int32_t acc[4][4]) {
+#define TR 16 /* output rows per tile */
+
+/* acc[m][h] (h: half of the tile on AVX2) += x row m's 4 bytes at column group c times the
+ * tile's 64 bytes there. */
+static inline __attribute__((always_inline)) void tile_rows(const uint8_t *x, int64_t Kp, const int8_t *wt,
+                                                             int64_t K4, const int MM, int32_t out[4][TR]) {
+#if VW == 16
+    __m512i a[4];
+    for (int m = 0; m < MM; m++) a[m] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < K4; c++) {
+        const __m512i w = _mm512_loadu_si512((const void *)(wt + c * 64));
 #if defined(KVL_AVX512VNNI)
-    __m512i a[4][4];
-    for (int i = 0; i < MM; i++)
-        for (int j = 0; j < NN; j++) a[i][j] = _mm512_setzero_si512();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        __m512i wv[4];
-        for (int j = 0; j < NN; j++) wv[j] = _mm512_loadu_si512((const void *)(w + j * K + k));
-        for (int i = 0; i < MM; i++) {
-            __m512i xv = _mm512_loadu_si512((const void *)(x + i * K + k));
-            for (int j = 0; j < NN; j++) a[i][j] = _mm512_dpbusd_epi32(a[i][j], xv, wv[j]);
-        }
-    }
-    if (k < K) {
-        const __mmask64 tail = (__mmask64)((~0ull) >> (64 - (K - k)));
-        __m512i wv[4];
-        for (int j = 0; j < NN; j++) wv[j] = _mm512_maskz_loadu_epi8(tail, w + j * K + k);
-        for (int i = 0; i < MM; i++) {
-            __m512i xv = _mm512_maskz_loadu_epi8(tail, x + i * K + k);
-            for (int j = 0; j < NN; j++) a[i][j] = _mm512_dpbusd_epi32(a[i][j], xv, wv[j]);
-        }
-    }
-    for (int i = 0; i < MM; i++)
-        for (int j = 0; j < NN; j++) acc[i][j] = _mm512_reduce_add_epi32(a[i][j]);
+        for (int m = 0; m < MM; m++)
+            a[m] = _mm512_dpbusd_epi32(a[m], _mm512_set1_epi32(*(const int32_t *)(x + m * Kp + 4 * c)), w);
 #else
-    const int8_t *xs = (const int8_t *)x;
-    vi a[4][4];
-    for (int i = 0; i < MM; i++)
-        for (int j = 0; j < NN; j++) a[i][j] = vi_zero();
-    const int64_t K0 = K - K % IW;
-    for (int64_t k = 0; k < K0; k += IW) {
-        vi wv[4];
-        for (int j = 0; j < NN; j++) wv[j] = vi_load_i8(w + j * K + k);
-        for (int i = 0; i < MM; i++) {
-            vi xv = vi_load_i8(xs + i * K + k);
-            for (int j = 0; j < NN; j++) a[i][j] = vi_dot(a[i][j], xv, wv[j]);
+        const __m512i we = _mm512_srai_epi16(_mm512_slli_epi16(w, 8), 8), wo = _mm512_srai_epi16(w, 8);
+        for (int m = 0; m < MM; m++) {
+            const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(x + m * Kp + 4 * c));
+            const __m512i xe = _mm512_srai_epi16(_mm512_slli_epi16(xb, 8), 8), xo = _mm512_srai_epi16(xb, 8);
+            a[m] = _mm512_add_epi32(a[m], _mm512_add_epi32(_mm512_madd_epi16(xe, we), _mm512_madd_epi16(xo, wo)));
+        }
+#endif
+    }
+    for (int m = 0; m < MM; m++) _mm512_storeu_si512((void *)out[m], a[m]);
+#else
+    __m256i a[4][2];
+    for (int m = 0; m < MM; m++) a[m][0] = a[m][1] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < K4; c++) {
+        for (int h = 0; h < 2; h++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(wt + c * 64 + 32 * h));
+            const __m256i we = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), wo = _mm256_srai_epi16(w, 8);
+            for (int m = 0; m < MM; m++) {
+                const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x + m * Kp + 4 * c));
+                const __m256i xe = _mm256_srai_epi16(_mm256_slli_epi16(xb, 8), 8), xo = _mm256_srai_epi16(xb, 8);
+                a[m][h] = _mm256_add_epi32(a[m][h], _mm256_add_epi32(_mm256_madd_epi16(xe, we), _mm256_madd_epi16(xo, wo)));
+            }
         }
     }
-    for (int i = 0; i < MM; i++)
-        for (int j = 0; j < NN; j++) {
-            int32_t t = vi_hsum(a[i][j]);
-            for (int64_t k = K0; k < K; k++) t += (int32_t)xs[i * K + k] * (int32_t)w[j * K + k];
-            acc[i][j] = t;
-        }
+    for (int m = 0; m < MM; m++) {
+        _mm256_storeu_si256((__m256i *)out[m], a[m][0]);
+        _mm256_storeu_si256((__m256i *)(out[m] + 8), a[m][1]);
+    }
 #endif
 }
 
 int kvl_int8_gemm(const int8_t *xq, const float *xs, const int8_t *wq, const float *ws, const int32_t *wsum,
                   const void *bias, int bf16, void *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1 || N < 1 || K < 1 || K > 65536 || num_threads < 1) return -1;
-#if defined(KVL_AVX512VNNI)
-    uint8_t *xu = malloc((size_t)(M * K));
+    const int64_t K4 = (K + 3) / 4, Kp = 4 * K4, tiles = (N + TR - 1) / TR;
+    uint8_t *xu = malloc((size_t)(M * Kp)); /* activations, columns padded to 4 (weights are 0 there) */
     if (!xu) return -1;
-    for (int64_t i = 0; i < M * K; i++) xu[i] = (uint8_t)(xq[i] ^ 0x80); /* q + 128 */
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < Kp; k++) {
+            const int8_t v = k < K ? xq[m * K + k] : 0;
+#if defined(KVL_AVX512VNNI)
+            xu[m * Kp + k] = (uint8_t)(v ^ 0x80); /* q + 128 */
 #else
-    const uint8_t *xu = (const uint8_t *)xq;
+            xu[m * Kp + k] = (uint8_t)v;
 #endif
-    const int64_t nblocks = (N + 3) / 4;
+        }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * 4;
-        const int nn = N - n0 < 4 ? (int)(N - n0) : 4;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int8_t *wt = wq + t * K4 * TR * 4;
+        const int nn = N - t * TR < TR ? (int)(N - t * TR) : TR;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int mm = M - m0 < 4 ? (int)(M - m0) : 4;
-            int32_t acc[4][4];
-            const uint8_t *xb = xu + m0 * K;
-            const int8_t *wb = wq + n0 * K;
-            if (nn == 4 && mm == 4) /* constant tile sizes: the accumulators stay in registers */
-                dot_block(xb, wb, K, 4, 4, acc);
-            else if (nn == 4 && mm == 1)
-                dot_block(xb, wb, K, 1, 4, acc);
-            else if (nn == 4 && mm == 2)
-                dot_block(xb, wb, K, 2, 4, acc);
-            else if (nn == 4 && mm == 3)
-                dot_block(xb, wb, K, 3, 4, acc);
+            int32_t acc[4][TR];
+            const uint8_t *xb = xu + m0 * Kp;
+            if (mm == 4) /* constant row counts: the accumulators stay in registers */
+                tile_rows(xb, Kp, wt, K4, 4, acc);
+            else if (mm == 1)
+                tile_rows(xb, Kp, wt, K4, 1, acc);
             else
-                dot_block(xb, wb, K, mm, nn, acc);
+                tile_rows(xb, Kp, wt, K4, mm, acc);
             for (int i = 0; i < mm; i++)
                 for (int j = 0; j < nn; j++) {
-                    const int64_t n = n0 + j;
+                    const int64_t n = t * TR + j;
 #if defined(KVL_AVX512VNNI)
                     const int32_t total = acc[i][j] - 128 * wsum[n];
 #else
-                    (void)wsum;
                     const int32_t total = acc[i][j];
 #endif
                     float v = ((float)total * xs[m0 + i]) * ws[n];
@@ -149,8 +146,7 @@ int kvl_int8_gemm(const int8_t *xq, const float *xs, const int8_t *wq, const flo
                 }
         }
     }
-#if defined(KVL_AVX512VNNI)
+    (void)wsum;
     free(xu);
-#endif
     return 0;
 }
