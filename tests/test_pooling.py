@@ -194,3 +194,19 @@ def test_abort_mid_prefill_leaves_nothing(folder):
     assert eng.executor.worker.runner.pooler.partial  # a running sum between chunks
     eng.abort_request("m")
     assert not eng.has_unfinished_requests()
+
+
+
+def test_a_recompute_restarts_the_running_sum():
+    """Preempted by recompute, a request's prompt is computed again from position 0: the
+    partial sum of its first life must not count (a swapped one resumes where it was)."""
+    from kvledger.pooling.pooler import PoolingAccumulator
+
+    h = torch.randn(10, 4)
+    p = PoolingParams(normalize=False, pooling_type="MEAN")
+    acc = PoolingAccumulator()
+    assert acc.pool_step(h[:4], [("r", p, 0, 4, 0, 10)]) == {}
+    assert acc.pool_step(h[4:7], [("r", p, 0, 3, 4, 10)]) == {}  # then preempted: recompute
+    assert acc.pool_step(h[:6], [("r", p, 0, 6, 0, 10)]) == {}
+    out = acc.pool_step(torch.cat([torch.randn(2, 4), h[6:]]), [("r", p, 2, 4, 6, 10)])
+    assert torch.allclose(torch.tensor(out["r"]), h.mean(dim=0), atol=1e-6) and not acc.partial
