@@ -210,3 +210,21 @@ def test_a_recompute_restarts_the_running_sum():
     assert acc.pool_step(h[:6], [("r", p, 0, 6, 0, 10)]) == {}
     out = acc.pool_step(torch.cat([torch.randn(2, 4), h[6:]]), [("r", p, 2, 4, 6, 10)])
     assert torch.allclose(torch.tensor(out["r"]), h.mean(dim=0), atol=1e-6) and not acc.partial
+
+
+@pytest.mark.parametrize("mode", ["mean_tokens", "lasttoken"])
+def test_sentence_transformers_agrees(stories_path, tmp_path, mode):
+    """sentence-transformers (not a dependency: skipped without it) loads the same folder, with
+    its tokenizer, and pools as its files say; our vectors match its, text in."""
+    st = pytest.importorskip("sentence_transformers")
+    path = tmp_path / "st"
+    path.mkdir()
+    for f in stories_path.iterdir():
+        (path / f.name).symlink_to(f)
+    _write_sentence_transformers(path, mode, normalize=True)
+    model = st.SentenceTransformer(str(path), device="cpu")
+    model.tokenizer.pad_token = model.tokenizer.eos_token  # one text per call: never padded
+    texts = ["Once upon a time", "Tom went to the park and played with a big red ball all day long"]
+    refs = [model.encode(t, convert_to_tensor=True).float() for t in texts]
+    outs = LLM(str(path), runner="pooling", calibrate_preemption=False, num_kv_blocks=64).embed(texts, use_tqdm=False)
+    assert min(_cosines(outs, refs)) >= 0.9999
