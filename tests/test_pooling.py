@@ -86,6 +86,9 @@ def test_default_is_last_token_normalised(folder):
         assert o.outputs.hidden_size == 32 and o.finished
     # The shared prefix was served from the cache, and the embedding is still right.
     assert llm.ledger().prefix_cache_hits >= 32
+    # A one-token prompt is a step of one row per request (the runner's decode-shaped path).
+    one = _embed(llm, [[5], [7]])
+    assert min(_cosines(one, [F.normalize(_hidden(hf, p)[-1], dim=-1) for p in ([5], [7])])) >= 0.9999
 
 
 def test_mean_pooling_over_chunks(folder, tmp_path):
@@ -227,4 +230,17 @@ def test_sentence_transformers_agrees(stories_path, tmp_path, mode):
     texts = ["Once upon a time", "Tom went to the park and played with a big red ball all day long"]
     refs = [model.encode(t, convert_to_tensor=True).float() for t in texts]
     outs = LLM(str(path), runner="pooling", calibrate_preemption=False, num_kv_blocks=64).embed(texts, use_tqdm=False)
+    assert min(_cosines(outs, refs)) >= 0.9999
+
+
+def test_tensor_parallel_ranks_pool_as_one_device(folder):
+    """TP=2: rank 0 pools the gathered hidden states (the other rank computes, never pools);
+    mean pooling across chunks as on one device."""
+    path, hf = folder
+    llm = _llm(path, tensor_parallel_size=2, pooler_config={"pooling_type": "MEAN"})
+    try:
+        outs = _embed(llm, PROMPTS)
+    finally:
+        llm.llm_engine.shutdown()
+    refs = [F.normalize(_hidden(hf, p).mean(dim=0), dim=-1) for p in PROMPTS]
     assert min(_cosines(outs, refs)) >= 0.9999
