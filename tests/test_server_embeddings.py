@@ -80,11 +80,19 @@ def test_dimensions_refused_by_name_on_a_non_matryoshka_model(client):
         client.embeddings.create(model=NAME, input="hi", dimensions=8)
 
 
-def test_generation_endpoints_name_the_runner(client):
+def test_generation_endpoints_name_the_runner(client, server):
     with pytest.raises(openai.BadRequestError, match="pooling runner"):
         client.completions.create(model=NAME, prompt="Once", max_tokens=3)
     with pytest.raises(openai.BadRequestError, match="pooling runner"):
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    with pytest.raises(openai.BadRequestError, match="pooling runner"):
+        client.completions.create(model=NAME, prompt="Once", max_tokens=3, stream=True)
+    with pytest.raises(openai.BadRequestError, match="pooling runner"):
+        client.responses.create(model=NAME, input="Once", max_output_tokens=3)
+    r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY}, timeout=60,
+                   json={"model": NAME, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
+    assert r.status_code == 400 and "pooling runner" in r.json()["error"]["message"], r.text
+    assert server.ledger(KEY)["used_blocks"] == 0
 
 
 @pytest.mark.parametrize(
@@ -98,6 +106,7 @@ def test_generation_endpoints_name_the_runner(client):
         ({"input": [-1]}, "input"),
         ({"input": [10**30]}, "input"),
         ({"input": [100000]}, "vocabulary"),
+        ({"input": [1] * 600}, "context"),
         ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
         ({"input": "hi", "dimensions": True}, "dimensions"),
         ({"input": "hi", "dimensions": 0}, "dimensions"),
