@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvledger.cache.block_hash import PREFIX_CACHING_HASH_ALGOS
 from kvledger.cache.kv_events import KVEventsConfig
 from kvledger.errors import ConfigError
+from kvledger.spec_decode.config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8", "int8", "fp8_int8")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -135,16 +136,20 @@ class EngineConfig:
     tp_worker_threads: int | None = None
     tp_step_timeout: float = 60.0
     # vLLM's --quantization, applied on the fly to a float checkpoint: None, "int8" (W8A8,
-    # model/quant_int8.py) or "int4" (weight-only, groups of 32, model/quant_group.py). Checkpoints that carry a quantization_config are read as they are.
+    # model/quant_int8.py) or "int4" (weight-only, groups of 32, model/quant_group.py).
+    # Checkpoints that carry a quantization_config are read as they are.
     quantization: str | None = None
     # vLLM's --runner: "generate" (text), or "pooling" (embeddings: kvledger/pooling); "auto"
     # is "generate" for the decoder models served here. ``pooler_config``: vLLM's
     # --pooler-config keys pooling_type (LAST | MEAN | CLS) and normalize, over the folder's.
     runner: str = "auto"
     pooler_config: dict | None = None
+    # vLLM's speculative_config: a SpeculativeConfig, a dict or its JSON text; None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def validate(self) -> None:
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.dtype not in DTYPE_ALIASES:
             raise ConfigError(
                 f"dtype must be one of {', '.join(DTYPE_ALIASES)}; got {self.dtype!r}"
@@ -160,6 +165,8 @@ class EngineConfig:
         _choice("runner", self.runner, RUNNERS)
         if self.runner == "auto":
             self.runner = "generate"
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ConfigError("speculative_config needs the generate runner: a pooling model never decodes")
         _choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_BACKENDS)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.distributed_executor_backend is not None:

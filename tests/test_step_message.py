@@ -63,14 +63,21 @@ def _plain(obj, seen=None) -> None:
             _plain(getattr(obj, f.name), seen)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_a_worker_fed_only_the_messages_reproduces_the_engine(stories_path, kv_cache_dtype):
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype, spec", [("auto", None), ("int8", None), ("auto", SPEC), ("int8", SPEC)]
+)
+def test_a_worker_fed_only_the_messages_reproduces_the_engine(stories_path, kv_cache_dtype, spec):
     """Chunked prefill, prefix hits, n > 1 forks, seeded sampling, swap and recompute
-    preemptions, logprobs: a second worker that sees only the unpickled messages samples the
-    same tokens, with the same logprobs, as the engine's worker did."""
+    preemptions, logprobs, speculative decoding (drafts verified and rolled back): a second
+    worker that sees only the unpickled messages samples the same tokens, with the same
+    logprobs, as the engine's worker did."""
     kw = dict(
         num_kv_blocks=24, block_size=8, max_num_batched_tokens=16, max_num_seqs=4,
         calibrate_preemption=False, kv_cache_dtype=kv_cache_dtype, kv_recent_tokens=4,
+        speculative_config=spec,
     )  # fmt: skip
     llm = LLM(str(stories_path), preemption_mode="auto", **kw)
     sent = _record(llm)
@@ -90,12 +97,14 @@ def test_a_worker_fed_only_the_messages_reproduces_the_engine(stories_path, kv_c
         _plain(so)
         out = replica.execute_model(so)
         for rid, tok in out.sampled.items():
-            sampled.setdefault(rid, []).append(tok)
+            sampled.setdefault(rid, []).extend([*out.spec_token_ids.get(rid, []), tok])
     for o in outs:
         for c in o.outputs:
             rid = o.request_id if c.index == 0 else f"{o.request_id}#{c.index}"
             assert sampled[rid][: len(c.token_ids)] == c.token_ids, rid
     assert not replica.runner.requests and not len(replica.runner.block_table)
+    if spec is not None:
+        assert eng.scheduler.speculator.stats.num_accepted_tokens > 0
 
 
 def test_runner_state_is_dropped_with_the_finished_ids(stories_path):

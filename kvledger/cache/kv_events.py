@@ -13,18 +13,18 @@ then ``(-1, b"")`` as the end marker.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from kvledger.errors import ConfigError
+from kvledger.json_config import json_object, refuse_unknown
 
 logger = logging.getLogger(__name__)
 
@@ -83,19 +83,8 @@ class KVEventsConfig:
         """From a KVEventsConfig, a dict or a JSON string (the CLI flag); names the bad key."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(
-                f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
+        value = json_object("kv_events_config", value)
+        refuse_unknown("kv_events_config", value, cls)
         cfg = cls(**value)
         cfg.validate()
         return cfg

@@ -106,6 +106,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="vLLM's KV-events JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
         "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'",
     )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help="vLLM's speculative decoding JSON, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 5, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 3}'",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -159,6 +165,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 kw[name] = getattr(args, name)
     if getattr(args, "kv_events_config", None) is not None:
         kw["kv_events_config"] = args.kv_events_config  # JSON text, parsed by EngineConfig
+    if getattr(args, "speculative_config", None) is not None:
+        from kvledger.spec_decode.config import SpeculativeConfig
+
+        # Parsed here, so that a bad config is a one-line error before anything loads.
+        kw["speculative_config"] = SpeculativeConfig.parse(args.speculative_config)
     if args.kv_cache_memory is not None:
         kw["kv_cache_memory"] = parse_size(args.kv_cache_memory)
     if args.max_model_len is not None:

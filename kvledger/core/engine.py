@@ -227,9 +227,18 @@ class LLMEngine:
             for d in lps:
                 self.outputs.decode_logprobs(d)
             self.scheduler.requests[rid].prompt_logprobs.extend(lps)
-        for req in self.scheduler.update_from_output(so, ro.sampled, now, self._fork_children):
-            self.num_generated_tokens += 1
-            stop_str = self.outputs.process_token(req, ro.logprobs.get(req.request_id))
+        spec = ro.spec_token_ids
+        for req in self.scheduler.update_from_output(
+            so, ro.sampled, now, self._fork_children, spec
+        ):
+            rid = req.request_id
+            if spec and rid in spec:  # accepted drafts, then the token after them
+                lps = [*ro.spec_logprobs[rid], ro.logprobs.get(rid)][: req.num_new_tokens]
+                stop_str = self.outputs.process_tokens(req, lps)
+                self.num_generated_tokens += req.num_new_tokens
+            else:
+                self.num_generated_tokens += 1
+                stop_str = self.outputs.process_token(req, ro.logprobs.get(rid))
             if stop_str is not None:
                 self._stop(req, stop_str, now)
             touched.add(req.parent_id or req.request_id)
@@ -329,4 +338,11 @@ class LLMEngine:
             swaps=self.swaps,
             gpu_memory_utilization=self.config.cache.gpu_memory_utilization,
             memory_profile=self.facts.memory_profile,
+            speculation=self._speculation_row(),
         )
+
+    def _speculation_row(self) -> dict | None:
+        spec = self.scheduler.speculator
+        if spec is None:
+            return None
+        return spec.stats.ledger_row(self.kv.bytes_per_token, self.kv.bytes_per_block)

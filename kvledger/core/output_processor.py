@@ -49,17 +49,37 @@ class OutputProcessor:
                 text = cache[t] = tok.decode([t])
             lp.decoded_token = text
 
-    def process_token(self, req: Request, lp: dict[int, Logprob] | None) -> str | None:
+    def process_token(
+        self, req: Request, lp: dict[int, Logprob] | None, index: int = -1, last: bool = True
+    ) -> str | None:
         """The new token's logprobs and text; returns the stop string it completed, if any
-        (the caller finishes the request)."""
-        token = req.output_token_ids[-1]
+        (the caller finishes the request). ``index``: the token's place in the output;
+        ``last``: no token after it this step (only the last one can have ended the request)."""
+        token = req.output_token_ids[index]
         if lp is not None:
             self.decode_logprobs(lp)
             req.logprobs.append(lp)
             req.cumulative_logprob += lp[token].logprob
         # Each token is detokenized once; stop strings are searched in the new text only.
-        stop_terminated = req.is_finished and req.finish_reason == "stop"
+        stop_terminated = last and req.is_finished and req.finish_reason == "stop"
         return req.detokenizer.update([token], stop_terminated)
+
+    def process_tokens(self, req: Request, lps: list[dict[int, Logprob] | None]) -> str | None:
+        """Several tokens appended in one step (speculative decoding: accepted drafts and the
+        token after them), in order, as if each had come alone: at the first stop string the
+        tokens after it are dropped, so the output is what decoding one by one would give."""
+        m = len(lps)
+        start = req.num_output_tokens - m
+        for j, lp in enumerate(lps):
+            stop = self.process_token(req, lp, start + j, j == m - 1)
+            if stop is not None:
+                drop = m - j - 1
+                if drop:
+                    del req.output_token_ids[-drop:]
+                    del req.all_token_ids[-drop:]
+                    req.num_new_tokens -= drop
+                return stop
+        return None
 
     @staticmethod
     def make_output(group: RequestGroup) -> RequestOutput:

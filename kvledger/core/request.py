@@ -68,6 +68,12 @@ class Request:
     # A pooling request (kvledger/pooling): prefill only, finished by its pooled vector.
     pooling_params: PoolingParams | None = None
     pooled: list[float] | None = None
+    # Speculative decoding: the drafts scheduled this step (verified and cleared by the update),
+    # the proposer's per-request state (kvledger.spec_decode.speculator.SpecState), and how many
+    # tokens the last update appended (1, or accepted drafts + 1).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_state: object | None = None
+    num_new_tokens: int = 0
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -53,6 +53,9 @@ class SchedulerOutput:
     # Block-table changes since the previous step's output (the runner's only view of them).
     table_deltas: TableDeltas = field(default_factory=TableDeltas)
     grammar_bitmask: GrammarBitmask | None = None
+    # Speculative decoding: each speculating request's draft tokens. Its scheduled tokens are
+    # 1 + len(drafts): the last accepted token and the drafts, verified in one forward.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # The scheduler's decisions, for the engine and the simulator (ids only).
     preempted: list[tuple[str, str]] = field(default_factory=list)  # (request id, mode)
     admitted: list[str] = field(default_factory=list)

@@ -17,6 +17,8 @@ from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel, select_victim
 from kvledger.core.request import Request, RequestStatus
 from kvledger.core.sched_output import NewRequestData, SchedulerOutput
+from kvledger.spec_decode.rejection import num_accepted
+from kvledger.spec_decode.speculator import Speculator
 
 
 def build_kv_manager(
@@ -70,7 +72,10 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         cost_model: PreemptionCostModel | None = None,
         rope_long_from: int | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
+        """``speculator``: proposes draft tokens for decoding requests (speculative decoding;
+        None: one token per decode step)."""
         self.config = config
         self.kv = kv_cache_manager
         self.cost_model = cost_model or PreemptionCostModel(
@@ -90,6 +95,7 @@ class Scheduler:
         # Requests finished since the last step that the runner(s) know (SchedulerOutput's
         # finished_req_ids).
         self.finished_req_ids: list[str] = []
+        self.speculator = speculator
 
     # -- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -130,6 +136,8 @@ class Scheduler:
             del self.requests[request.request_id]
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if self.speculator is not None and reason != "abort":
+            self.speculator.on_finished(request, len(self.running))
         if request.num_synced_tokens:
             self.finished_req_ids.append(request.request_id)
 
@@ -162,6 +170,9 @@ class Scheduler:
             len(r.all_token_ids) - r.num_computed_tokens == 1 for r in self.running
         ):
             prefill_left = min(cap, budget)
+        spec = self.speculator
+        if spec is not None and not spec.enabled_for_batch(len(self.running)):
+            spec = None
         for req in self.running:
             n = len(req.all_token_ids) - req.num_computed_tokens
             if n > budget:
@@ -179,15 +190,31 @@ class Scheduler:
             if alone > total_blocks:
                 ended.append(req)  # it can never fit, even alone: stop it (after the loop)
                 continue
+            drafts = None
+            if n == 1 and spec is not None:  # a decode: verify drafts with its next token
+                room = total_blocks * bs - req.num_computed_tokens  # drafts never end a request
+                if self.rope_long_from is not None and not req.rope_long:
+                    # LongRoPE: no verification row at or past the switch (its factors change)
+                    room = min(room, self.rope_long_from - req.num_computed_tokens)
+                drafts = spec.propose(req, min(budget, req.remaining_tokens, room) - 1)
+                n += len(drafts)
             plan.append((req, n))
             items.append((req.request_id, n))
             budget -= n
+            if drafts:
+                req.spec_token_ids = drafts
         for req in ended:
             self.finish_request(req, "length")
             out.ended.append(req.request_id)
 
-        # 2. Preempt until the planned tokens' blocks fit.
+        # 2. Preempt until the planned tokens' blocks fit (drafts are dropped first: they never
+        #    cost another request its place).
+        drafting = spec is not None
         while plan and not self.kv.fits_many(items, self.config.max_num_batched_tokens - budget):
+            if drafting:
+                budget += self._drop_drafts(plan, items)
+                drafting = False
+                continue
             victim = select_victim(
                 self.running,
                 self.config.victim_policy,
@@ -284,6 +311,18 @@ class Scheduler:
         self._describe_batch(plan, out)
         return out
 
+    @staticmethod
+    def _drop_drafts(plan: list[tuple[Request, int]], items: list[tuple[str, int]]) -> int:
+        """Unschedule every planned draft (the batch does not fit with them); the tokens freed."""
+        freed = 0
+        for i, (r, n) in enumerate(plan):
+            k = len(r.spec_token_ids)
+            if k:
+                plan[i], items[i] = (r, n - k), (r.request_id, n - k)
+                r.spec_token_ids = []
+                freed += k
+        return freed
+
     def _describe_batch(self, plan: list[tuple[Request, int]], out: SchedulerOutput) -> None:
         """The batch as plain data for the runner(s): ids, new and computed tokens, each new
         request's prompt and parameters once, and the tokens each request gained since the
@@ -291,6 +330,10 @@ class Scheduler:
         out.req_ids = ids = [r.request_id for r, _ in plan]
         out.num_scheduled_tokens = [n for _, n in plan]
         out.num_computed_tokens = [r.num_computed_tokens for r, _ in plan]
+        spec = {r.request_id: r.spec_token_ids for r, _ in plan if r.spec_token_ids}
+        if self.speculator is not None:
+            out.spec_token_ids = spec
+            self.speculator.stats.last_step_draft_slots = sum(map(len, spec.values()))
         new_tokens = out.new_token_ids
         for (req, _), rid in zip(plan, ids):
             toks = req.all_token_ids
@@ -364,8 +407,11 @@ class Scheduler:
         """
         return len(self.running)
 
-    def update_after_step(self, so: SchedulerOutput, now: float) -> list[Request]:
+    def update_after_step(
+        self, so: SchedulerOutput, now: float, accepted: Mapping[str, list[int]] | None = None
+    ) -> list[Request]:
         """Account the step's computed tokens; return the requests now due a sampled token.
+        ``accepted``: each speculating request's accepted drafts (the runner's verification).
 
         Shared by the engine and the simulator, so both advance requests identically.
         """
@@ -376,10 +422,33 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             req.num_computed_tokens += n
-            if req.num_computed_tokens == len(req.all_token_ids):
+            if req.spec_token_ids:
+                self._roll_back_rejected(req, (accepted or {}).get(req.request_id, []))
+                due.append(req)
+            elif req.num_computed_tokens == len(req.all_token_ids):
                 due.append(req)
         self.kv.cache_computed_blocks(reqs)
         return due
+
+    def _roll_back_rejected(self, req: Request, accepted: list[int]) -> None:
+        """A verified speculation: the rejected drafts' slots go back now (num_computed_tokens
+        and the block tables end at the last accepted token; blocks held only for rejected
+        tokens return to the pool), and full blocks of accepted tokens are published (never
+        a block holding an unverified token: publishing stops at num_computed_tokens)."""
+        drafts = req.spec_token_ids
+        a = num_accepted(drafts, accepted)
+        rejected = len(drafts) - a
+        stats = self.speculator.stats
+        if rejected:
+            req.num_computed_tokens -= rejected
+            used = self.kv.num_used_blocks
+            self.kv.trim(req.request_id, req.num_computed_tokens)
+            freed = used - self.kv.num_used_blocks
+            stats.last_step_released_blocks += freed
+            stats.released_blocks += freed
+        if a and self.kv.enable_prefix_caching:
+            self.kv.cache_blocks(req.request_id, req.all_token_ids + drafts[:a], req.num_computed_tokens)
+        self.speculator.observe(req, len(drafts), a)
 
     def update_from_output(
         self,
@@ -387,20 +456,25 @@ class Scheduler:
         sampled: Mapping[str, int] | Callable[[Request], int],
         now: float,
         fork: Callable[[Request], list[Request]] | None = None,
+        accepted: Mapping[str, list[int]] | None = None,
     ) -> list[Request]:
         """The one post-step update (vLLM v1's name), for the engine and the simulator alike.
 
         Accounts the step's computed tokens and publishes full blocks, then appends each due
         request's sampled token (``sampled``: by request id, or a function of the request, as
-        the simulator's placeholder tokens) and finishes it at EOS, a stop token id or its
-        length. ``fork`` (the engine's) turns an n > 1 parent's children into running
-        requests once the shared prompt is computed. Returns the requests that got a token,
+        the simulator's placeholder tokens), after a speculating request's ``accepted`` drafts,
+        and finishes it at EOS, a stop token id or its length (a stop among the accepted
+        drafts drops the tokens after it; ``Request.num_new_tokens`` says how many stayed).
+        ``fork`` (the engine's) turns an n > 1 parent's children into running requests once
+        the shared prompt is computed. Returns the requests that got a token,
         children before their parent; what needs the tokenizer (text, stop strings) is the
         caller's.
         """
         token_of = sampled if callable(sampled) else (lambda r: sampled[r.request_id])
         updated = []
-        for req in self.update_after_step(so, now):
+        if self.speculator is not None:
+            self.speculator.stats.last_step_released_blocks = 0
+        for req in self.update_after_step(so, now, accepted):
             if req.pooling_params is not None:  # prefill only: the runner pooled its prompt
                 self.finish_request(req, "stop")
                 req.finished_time = now
@@ -409,9 +483,24 @@ class Scheduler:
                 for child in fork(req):
                     self._append_token(child, token_of(child), now)
                     updated.append(child)
-            self._append_token(req, token_of(req), now)
+            if req.spec_token_ids:
+                self._append_verified(req, accepted[req.request_id], token_of(req), now)
+            else:
+                self._append_token(req, token_of(req), now)
             updated.append(req)
         return updated
+
+    def _append_verified(self, req: Request, accepted: list[int], token: int, now: float) -> None:
+        """A speculating request's accepted drafts, then the verification's own token, each
+        checked for a stop as if it had been decoded alone."""
+        req.spec_token_ids = []
+        n = 0
+        for t in [*accepted, token]:
+            self._append_token(req, t, now)
+            n += 1
+            if req.is_finished:
+                break
+        req.num_new_tokens = n
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.append_output_token(token)
@@ -450,6 +539,7 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         rid = victim.request_id
         self.running.remove(victim)
+        victim.spec_token_ids = []  # its drafts are dropped with its slots
         victim.num_preemptions += 1
         mode = self.choose_mode(victim)
         if mode == "swap" and self.kv.can_swap_out(rid):

@@ -37,6 +37,7 @@ from kvledger.ledger.accounting import (
 )
 from kvledger.ledger.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from kvledger.model.loader import LoadedModel, load_model
+from kvledger.spec_decode.speculator import Speculator
 from kvledger.storage.kv_overlay import SINK_CACHE_ENTRIES
 from kvledger.worker.messages import WorkerSpec
 from kvledger.worker.worker import Worker
@@ -144,7 +145,9 @@ def _build(config: EngineConfig, device: torch.device, tokenizer_job: Future) ->
     except BaseException:
         executor.shutdown()
         raise
-    scheduler = Scheduler(sc, kv, cost_model, rope_long_from=spec.rope_long_from)
+    spec_cfg = config.speculative_config
+    speculator = Speculator(spec_cfg) if spec_cfg is not None else None
+    scheduler = Scheduler(sc, kv, cost_model, rope_long_from=spec.rope_long_from, speculator=speculator)
     return LLMEngine(config, facts, scheduler, executor, tokenizer)
 
 

@@ -34,6 +34,11 @@ class EngineStats:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     generation_tokens: int = 0
+    # Speculative decoding (vLLM's SpecDecodingStats; zero when off).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: dict[int, int] = field(default_factory=dict)
     # Per tensor-parallel rank (one entry on one device): the real pool, and what it holds now.
     rank_pool_bytes: list[int] = field(default_factory=list)
     rank_used_bytes: list[int] = field(default_factory=list)
@@ -57,9 +62,22 @@ def capture_stats(engine: LLMEngine) -> EngineStats:
         swap_out_bytes=snap.swap_out_bytes,
         swap_in_bytes=snap.swap_in_bytes,
         generation_tokens=engine.num_generated_tokens,
+        **_spec_stats(snap.speculation, engine),
         rank_pool_bytes=[r["device_pool_bytes"] for r in snap.ranks] or [snap.device_pool_bytes],
         rank_used_bytes=[r["used_bytes"] for r in snap.ranks] or [snap.used_bytes],
     )
+
+
+def _spec_stats(row: dict | None, engine: LLMEngine) -> dict:
+    if row is None:
+        return {}
+    per_pos = engine.scheduler.speculator.stats.num_accepted_tokens_per_pos
+    return {
+        "spec_num_drafts": row["num_drafts"],
+        "spec_num_draft_tokens": row["num_draft_tokens"],
+        "spec_num_accepted_tokens": row["num_accepted_tokens"],
+        "spec_accepted_per_pos": dict(enumerate(per_pos)),
+    }
 
 
 def sum_stats(stats: list[EngineStats]) -> EngineStats:

@@ -34,6 +34,7 @@ def live_ledger(
     swaps: SwapStats,
     gpu_memory_utilization: float,
     memory_profile: Any = None,
+    speculation: dict | None = None,
 ) -> LedgerSnapshot:
     """``kv``: the block manager; ``executor``: its ``ranks`` (WorkerReady) and ``stats()``
     (WorkerStats of rank 0) are read."""
@@ -81,4 +82,5 @@ def live_ledger(
     snap.swap_in_bytes = swaps.in_blocks * kv.bytes_per_block
     snap.swap_out_seconds = swaps.out_s
     snap.swap_in_seconds = swaps.in_s
+    snap.speculation = speculation
     return snap

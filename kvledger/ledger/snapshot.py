@@ -61,6 +61,10 @@ class LedgerSnapshot:
     swap_in_bytes: int = 0
     swap_out_seconds: float = 0.0
     swap_in_seconds: float = 0.0
+    # Speculative decoding (None: off): KV slots the last step reserved for draft tokens and
+    # their bytes, the blocks its rollbacks released (every rejected draft's slot is released
+    # in the step that rejects it, so between steps none is held), and the running totals.
+    speculation: dict | None = None
 
     # The real device allocation behind the ledger (not the formula): the pool's tensors and the
     # overlay, and on CUDA the profiled split of the device (worker/gpu_memory.py).

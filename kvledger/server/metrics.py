@@ -168,6 +168,10 @@ class _EngineCollector:
             ("num_preemptions", "Cumulative number of preemption from the engine.",
              lambda e: sum(e.preemptions.values())),
             ("generation_tokens", "Number of generation tokens processed.", lambda e: e.generation_tokens),
+            ("spec_decode_num_drafts", "Number of spec decoding drafts.", lambda e: e.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", "Number of draft tokens.", lambda e: e.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+             lambda e: e.spec_num_accepted_tokens),
         ]  # fmt: skip
         for name, doc, get in counters:
             c = CounterMetricFamily(f"vllm:{name}", doc, labels=labels)
@@ -175,6 +179,16 @@ class _EngineCollector:
                 for i, e in engines:
                     c.add_metric([self.model_name, str(i)], get(e))
             yield c
+        c = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*labels, "position"],
+        )
+        if with_samples:
+            for i, e in engines:
+                for pos, n in sorted(e.spec_accepted_per_pos.items()):
+                    c.add_metric([self.model_name, str(i), str(pos)], n)
+        yield c
 
 
 class ServerMetrics:

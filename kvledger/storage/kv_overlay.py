@@ -36,6 +36,9 @@ class _SlotState:
     sink_from: int  # sink rows p in [sink_from, S) hold this request's own values (0 after a sink-cache hit)
     ring_from: int  # window rows p >= ring_from (and within the last R before hi) are valid
     hi: int  # positions < hi have been written into the slot
+    # Speculative decoding: (first draft position, the ring rows its drafts overwrote, as they
+    # were before); the rows of rejected drafts are put back at the next step.
+    saved: tuple[int, torch.Tensor] | None = None
 
 
 class OverlaySlots:
@@ -89,14 +92,19 @@ class OverlaySlots:
             self.free = list(range(self.pool.overlay_slots - 1, old - 1, -1))
         return self.free.pop()
 
-    def annotate(self, meta: Any, reqs: list[Any]) -> None:
+    def annotate(self, meta: Any, reqs: list[Any], spec: dict[str, list[int]] | None = None) -> None:
         """Give each scheduled request (``reqs``: the runner's states, with ``request_id`` and
-        ``all_token_ids``) its slot and tell attention which rows the slot holds."""
+        ``all_token_ids``) its slot and tell attention which rows the slot holds. ``spec``: the
+        step's drafts (speculative decoding), whose ring rows are saved first."""
         S, R = self.S, self.R
         slots, sink_from, ring_from = [], [], []
         for req, n, end in zip(reqs, meta.query_lens_list, meta.seq_lens_list, strict=True):
             start = end - n
             st = self.states.get(req.request_id)
+            if st is not None and st.saved is not None:
+                self._restore_rejected(st, start)
+            if st is not None and spec and req.request_id in spec and R:
+                st.saved = self._save_ring(st.slot, max(S, start + 1), end)
             if st is None:
                 st = _SlotState(self._take_slot(), start, start, start)
                 self.states[req.request_id] = st
@@ -122,13 +130,32 @@ class OverlaySlots:
         meta.overlay_sink_from = sink_from
         meta.overlay_window_from = ring_from
 
+    def _save_ring(self, slot: int, lo: int, hi: int) -> tuple[int, torch.Tensor] | None:
+        """The ring rows positions [lo, hi) are about to overwrite (a step's drafts)."""
+        if lo >= hi:
+            return None
+        S, R = self.S, self.R
+        rows = [self.pool.read_overlay_rows(slot, S + p % R, S + p % R + 1) for p in range(lo, hi)]
+        return lo, torch.cat(rows, dim=2).clone()
+
+    def _restore_rejected(self, st: _SlotState, start: int) -> None:
+        """After a verification: the ring rows of drafts from ``start`` on (rejected, or rolled
+        back by a preemption) get back the rows they overwrote, and the slot ends there."""
+        first, rows = st.saved
+        st.saved = None
+        S, R = self.S, self.R
+        for j, p in enumerate(range(first, st.hi)):
+            if p >= start:
+                self.pool.write_overlay_rows(st.slot, S + p % R, rows[:, :, j : j + 1])
+        st.hi = min(st.hi, max(start, first))
+
     def after_step(self, meta: Any, reqs: list[Any]) -> None:
         """Publish sinks a request has just finished computing to the sink cache."""
         S = self.S
         if S == 0 or self.sink_entries == 0:
             return
         for req, n, end in zip(reqs, meta.query_lens_list, meta.seq_lens_list, strict=True):
-            if end - n < S <= end:
+            if end - n < S <= end and len(req.all_token_ids) >= S:  # (drafts: not yet tokens)
                 st = self.states[req.request_id]
                 if st.sink_from != 0:
                     continue

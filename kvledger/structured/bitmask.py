@@ -13,4 +13,5 @@ class GrammarBitmask:
     (int32 [rows, ceil(vocab / 32)], xgrammar's layout), filled by the engine."""
 
     mask: Any  # torch.Tensor
-    rows: dict[str, int]  # request id -> row of ``mask``
+    rows: dict[str, int]  # request id -> row of ``mask`` (a speculating request: its first row,
+    # the others follow it, one per draft)

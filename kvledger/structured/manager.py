@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvledger.errors import InvalidRequestError
@@ -107,8 +108,12 @@ class StructuredOutputManager:
         if not self._constrained:
             return None
         owners: list[Any] = []
+        spec = so.spec_token_ids
         for rid, n, computed in so.batch():
             req = requests[rid]
+            if spec and rid in spec:
+                owners += draft_rows(req, spec[rid])
+                continue
             if computed + n != len(req.all_token_ids):
                 continue  # a prefill chunk short of the prompt's end: no token this step
             if req.grammar is not None and req.grammar.in_reasoning and req.grammar.forced_token is None:
@@ -120,10 +125,39 @@ class StructuredOutputManager:
         if filled is None:
             return None
         mask, rows = filled
-        return GrammarBitmask(mask, {owners[i].request_id: i for i in rows})
+        first: dict[str, int] = {}
+        for i in rows:
+            first.setdefault(owners[i].request_id, i)
+        return GrammarBitmask(mask, first)
 
     @staticmethod
     def _start(parent: ConstrainedRequest) -> None:
         parent.grammar.start()
         for child in parent.children:
             child.grammar = parent.grammar.fork()
+
+
+@dataclass(slots=True)
+class _DraftRow:
+    """A verification row of a speculating request: the grammar as it stands after the drafts
+    before the row."""
+
+    request_id: str
+    grammar: GrammarState | None
+
+
+def draft_rows(req: ConstrainedRequest, drafts: list[int]) -> list[Any]:
+    """The 1 + len(drafts) mask rows of a speculating request, consecutive. Each row's mask is
+    the grammar after the drafts before it, advanced on copies (the request's matcher only
+    ever sees accepted tokens). After a draft the grammar refuses, the rows repeat the last
+    state: verification stops at that draft's row (its mask forbids the draft), so later rows'
+    tokens are never used."""
+    g = req.grammar
+    rows: list[Any] = [req]
+    for d in drafts:
+        if g is not None:
+            nxt = g.fork()
+            if nxt.matcher.accept_token(d):
+                g = nxt
+        rows.append(_DraftRow(req.request_id, g))
+    return rows

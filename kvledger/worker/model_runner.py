@@ -25,6 +25,7 @@ from kvledger.logprobs import Logprob
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.pooling.pooler import PoolingAccumulator
 from kvledger.sample.sampler import SampleRequest, make_logprobs, sample
+from kvledger.spec_decode.rejection import num_accepted
 from kvledger.storage.kv_cache import HostKVPool, KVCachePool
 from kvledger.structured.bitmask import GrammarBitmask
 from kvledger.worker.block_table import BlockTable
@@ -40,6 +41,10 @@ class ModelRunnerOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, Logprob] | None] = field(default_factory=dict)
+    # Speculative decoding: each speculating request's accepted drafts (``sampled`` is then
+    # the token after them) and their logprobs.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     pooler_output: dict[str, list[float]] = field(default_factory=dict)  # pooling requests done
     swap_out_seconds: float = 0.0
@@ -57,6 +62,9 @@ class StepInputs:
     # request's first sample its children too (index into sample_rows, state).
     samplers: list[tuple[int, CachedRequestState]]
     prompt_rows: list[tuple[CachedRequestState, int, int, int]]  # (state, row, count, start)
+    # Speculating requests and their drafts; each one's 1 + len(drafts) rows are consecutive
+    # samplers.
+    verify: list[tuple[CachedRequestState, list[int]]] = field(default_factory=list)
     # Pooling requests: (id, params, first row, rows, start, prompt length); see pooling/pooler.py.
     pooling: list[tuple] = field(default_factory=list)
 
@@ -146,6 +154,7 @@ class ModelRunner:
         states = [requests[rid] for rid in so.req_ids]
         query_lens = so.num_scheduled_tokens
         starts = so.num_computed_tokens
+        spec = so.spec_token_ids
         seq_lens = [c + n for c, n in zip(starts, query_lens)]
         rows = self.block_table.rows(so.req_ids)  # rows of the runner's table
         decode_only = max(query_lens) == 1
@@ -157,11 +166,17 @@ class ModelRunner:
             input_ids = []
             for r, c, e in zip(states, starts, seq_lens):
                 input_ids.extend(r.all_token_ids[c:e])
+                if spec and r.request_id in spec:  # the drafts follow the last accepted token
+                    input_ids.extend(spec[r.request_id])
             offsets = [0, *itertools.accumulate(query_lens)]
             last_rows = [x - 1 for x in offsets[1:]]
-        due = [e == len(r.all_token_ids) and r.pooling_params is None for r, e in zip(states, seq_lens)]
-        sample_rows = [x for x, d in zip(last_rows, due) if d]  # flat row of each due request
-        samplers = [(i, r) for i, r in enumerate(r for r, d in zip(states, due) if d)]
+        if spec:
+            sample_rows, samplers, verify = self._verify_rows(states, offsets, last_rows, seq_lens, spec)
+        else:
+            due = [e == len(r.all_token_ids) and r.pooling_params is None for r, e in zip(states, seq_lens)]
+            sample_rows = [x for x, d in zip(last_rows, due) if d]  # flat row of each due request
+            samplers = [(i, r) for i, r in enumerate(r for r, d in zip(states, due) if d)]
+            verify = []
         if any(r.children for _, r in samplers):
             samplers = self._with_children(samplers)
         prompt_rows: list[tuple[CachedRequestState, int, int, int]] = []
@@ -181,7 +196,7 @@ class ModelRunner:
             lens = np.asarray([len(r.all_token_ids) for r in states], dtype=np.int64)
             meta.rope_seq_lens = torch.from_numpy(lens).to(self.device)
         ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(self.device)
-        inp = StepInputs(ids, positions, meta, states, sample_rows, samplers, prompt_rows)
+        inp = StepInputs(ids, positions, meta, states, sample_rows, samplers, prompt_rows, verify)
         if any(r.pooling_params is not None for r in states):
             first = [0, *itertools.accumulate(query_lens)]
             inp.pooling = [
@@ -189,6 +204,32 @@ class ModelRunner:
                 for i, r in enumerate(states) if r.pooling_params is not None
             ]  # fmt: skip
         return inp
+
+    @staticmethod
+    def _verify_rows(
+        states: list[CachedRequestState],
+        offsets: list[int],
+        last_rows: list[int],
+        seq_lens: list[int],
+        spec: dict[str, list[int]],
+    ) -> tuple[list[int], list[tuple[int, CachedRequestState]], list[tuple[CachedRequestState, list[int]]]]:
+        """Sample rows when some requests speculate: each of them samples all its rows (after
+        the last accepted token and after each draft: the target's token for each prefix),
+        the other due requests their last row, as usual."""
+        sample_rows: list[int] = []
+        samplers: list[tuple[int, CachedRequestState]] = []
+        verify: list[tuple[CachedRequestState, list[int]]] = []
+        for i, (r, e) in enumerate(zip(states, seq_lens)):
+            drafts = spec.get(r.request_id)
+            if drafts:
+                verify.append((r, drafts))
+                for x in range(offsets[i], offsets[i] + len(drafts) + 1):
+                    samplers.append((len(sample_rows), r))
+                    sample_rows.append(x)
+            elif e == len(r.all_token_ids) and r.pooling_params is None:
+                samplers.append((len(sample_rows), r))
+                sample_rows.append(last_rows[i])
+        return sample_rows, samplers, verify
 
     def _with_children(
         self, samplers: list[tuple[int, CachedRequestState]]
@@ -215,7 +256,7 @@ class ModelRunner:
             return out
         inp = self.prepare(so)
         if self.overlay is not None:  # quantised KV: full-precision sink / window slots
-            self.overlay.annotate(inp.meta, inp.states)
+            self.overlay.annotate(inp.meta, inp.states, so.spec_token_ids)
         hidden = None
         if self.graphs is not None and inp.meta.is_pure_decode:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
@@ -253,7 +294,7 @@ class ModelRunner:
     ) -> None:
         """Sample the due requests and fill prompt logprobs from the rows of ``_logits_rows``."""
         n_sample = len(inp.sample_rows)
-        self._sample(logits[:n_sample], inp.samplers, bitmask, out)
+        self._sample(logits[:n_sample], inp.samplers, bitmask, out, inp.verify)
         off = n_sample
         for st, _, count, start in inp.prompt_rows:
             lp = logits[off : off + count].log_softmax(dim=-1)
@@ -327,8 +368,11 @@ class ModelRunner:
         samplers: list[tuple[int, CachedRequestState]],
         bitmask: GrammarBitmask | None,
         out: ModelRunnerOutput,
+        verify: list[tuple[CachedRequestState, list[int]]] = (),
     ) -> None:
-        """A token for each sampler, from its row of ``logits``."""
+        """A token for each sampler, from its row of ``logits``; a speculating request keeps
+        its drafts up to the first row whose token differs, and that row's token
+        (kvledger.spec_decode.rejection)."""
         if not samplers:
             return
         rows = [i for i, _ in samplers]
@@ -341,6 +385,19 @@ class ModelRunner:
         for r, t, lp in zip(owners, tokens, logprobs):
             out.sampled[r.request_id] = t
             out.logprobs[r.request_id] = lp
+        first_of: dict[str, int] = {}
+        if verify:
+            for j, st in enumerate(owners):
+                first_of.setdefault(st.request_id, j)
+        for st, drafts in verify:
+            first = first_of[st.request_id]
+            got = tokens[first : first + len(drafts) + 1]
+            a = num_accepted(drafts, got)
+            rid = st.request_id
+            out.sampled[rid] = got[a]
+            out.logprobs[rid] = logprobs[first + a]
+            out.spec_token_ids[rid] = got[:a]
+            out.spec_logprobs[rid] = logprobs[first : first + a]
 
 
 def _aligned_bitmask(
@@ -353,7 +410,13 @@ def _aligned_bitmask(
     rows = [i for i, st in enumerate(owners) if st.request_id in where]
     if not rows:
         return None
-    src = [where[owners[i].request_id] for i in rows]
+    # A speculating request's rows are consecutive in both orders, from its first.
+    seen: dict[str, int] = {}
+    src = []
+    for i in rows:
+        rid = owners[i].request_id
+        k = seen[rid] = seen.get(rid, -1) + 1
+        src.append(where[rid] + k)
     mask = bitmask.mask
     if src != rows or mask.shape[0] < len(owners):
         aligned = mask.new_full((len(owners), mask.shape[1]), -1)

@@ -1,0 +1,129 @@
+"""``speculative_config`` (vLLM's keys and meaning), validated once at the edge.
+
+``LLM(..., speculative_config={...})`` and ``kvledger serve --speculative-config '{json}'`` take
+the same keys as vLLM; a key vLLM has that kvledger does not implement (a draft model, EAGLE)
+is refused by name rather than ignored, so a config never silently means something else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvledger.errors import ConfigError
+from kvledger.json_config import json_object, refuse_unknown
+
+METHODS = ("ngram", "suffix")
+# Running requests above which no request speculates, when disable_by_batch_size is unset.
+# Measured on stories260k on a 2-core AMD EPYC (docs/benchmarks.md, "Speculative decoding"):
+# a step verifying 1 + 8 rows per request cost 1.15-1.4x a decode step at 1-16 requests, 2.2-2.4x
+# at 32-64, more than the 1.7-1.8 tokens per verification stories260k's drafts bring.
+DEFAULT_MAX_BATCH = 16
+# vLLM keys refused with a reason (not silently ignored).
+_NOT_IMPLEMENTED = {
+    "model": "a draft model is not implemented (methods: ngram, suffix)",
+    "draft_tensor_parallel_size": "a draft model is not implemented",
+    "quantization": "a draft model is not implemented",
+    "revision": "a draft model is not implemented",
+    "code_revision": "a draft model is not implemented",
+    "speculative_token_tree": "tree speculation is not implemented",
+}
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's SpeculativeConfig for the draft-free methods, plus the adaptive gate's knobs.
+
+    ``disable_by_batch_size`` (vLLM's key): no request speculates in a step where more than
+    this many requests run. Unlike vLLM (no limit unless set), unset means
+    ``DEFAULT_MAX_BATCH``: decoding a large batch is compute-bound, so a verification's extra
+    rows cost about their share of the step while a draft only saves steps. ``adaptive``
+    (kvledger's): a request whose drafts keep missing stops proposing and probes again later
+    (``kvledger.spec_decode.adaptive``)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+    adaptive: bool = True
+    # method "suffix" (vLLM's keys; kvledger.spec_decode.suffix). The depth is that of the
+    # n-gram tables (vLLM's default 24 is a tree's; each level here costs a table entry per
+    # token, so kvledger's default is 8), the cache holds fewer requests than vLLM's 10,000
+    # for the same reason.
+    suffix_decoding_max_tree_depth: int = 8
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict or its JSON text (the CLI flag); names the bad key."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            if value is not None:
+                value.validate()
+            return value
+        value = json_object("speculative_config", value)
+        for key, why in _NOT_IMPLEMENTED.items():
+            if value.get(key) is not None:
+                raise ConfigError(f"speculative_config.{key}: {why}")
+        value = {k: v for k, v in value.items() if k not in _NOT_IMPLEMENTED}
+        refuse_unknown("speculative_config", value, cls, tuple(_NOT_IMPLEMENTED))
+        cfg = cls(**value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.method == "[ngram]":  # vLLM's older spelling
+            self.method = "ngram"
+        if self.method not in METHODS:
+            raise ConfigError(
+                f"speculative_config.method must be one of {', '.join(METHODS)}; got {self.method!r}"
+            )
+        if self.method == "suffix":
+            self._validate_suffix()
+        if self.num_speculative_tokens is None:
+            raise ConfigError("speculative_config.num_speculative_tokens is required")
+        _int_at_least("num_speculative_tokens", self.num_speculative_tokens, 1)
+        # vLLM's defaults: both 5 when neither is given, else the given one for both.
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        _int_at_least("prompt_lookup_min", lo, 1)
+        _int_at_least("prompt_lookup_max", hi, 1)
+        if lo > hi:
+            raise ConfigError(
+                f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+            )
+        if self.disable_by_batch_size is None:
+            self.disable_by_batch_size = DEFAULT_MAX_BATCH
+        _int_at_least("disable_by_batch_size", self.disable_by_batch_size, 1)
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(
+                f"speculative_config.adaptive must be true or false, got {self.adaptive!r}"
+            )
+
+    def _validate_suffix(self) -> None:
+        _int_at_least("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1)
+        _int_at_least(
+            "suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0
+        )
+        f = self.suffix_decoding_max_spec_factor
+        if isinstance(f, bool) or not isinstance(f, int | float) or f <= 0:
+            raise ConfigError(
+                f"speculative_config.suffix_decoding_max_spec_factor must be > 0, got {f!r}"
+            )
+        p = self.suffix_decoding_min_token_prob
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p <= 1:
+            raise ConfigError(
+                f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], got {p!r}"
+            )
+        if self.num_speculative_tokens is None:  # vLLM's default: the tree's depth
+            self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
+
+
+def _int_at_least(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"speculative_config.{name} must be an integer >= {low}, got {value!r}")

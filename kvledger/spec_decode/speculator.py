@@ -1,0 +1,98 @@
+"""The scheduler's side of speculative decoding: who may propose, how many drafts, and what a
+verified step tells the adaptive gate and the counters. Torch-free, beside the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvledger.spec_decode.adaptive import AcceptanceGate
+from kvledger.spec_decode.config import SpeculativeConfig
+from kvledger.spec_decode.ngram import NgramIndex
+from kvledger.spec_decode.stats import SpecDecodingStats
+from kvledger.spec_decode.suffix import SuffixCache, SuffixIndex
+
+
+@dataclass(slots=True)
+class SpecState:
+    """What a request keeps for speculation (on the Request: it survives preemption)."""
+
+    index: NgramIndex | SuffixIndex  # the proposer's per-request part
+    gate: AcceptanceGate | None
+
+
+def can_speculate(req: Any) -> bool:
+    """Whether a request's drafts can be verified row by row exactly as it would decode.
+
+    Verification samples every draft row from the state before that step; processors whose
+    result depends on the tokens just before the row (penalties, bad words, the min_tokens
+    EOS ban still in force) would see a stale state, so those requests decode one token at a
+    time."""
+    p = req.sampling_params
+    return not (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+        or req.bad_words_token_ids
+        or req.num_output_tokens < p.min_tokens
+    )
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.stats = SpecDecodingStats(num_spec_tokens=self.k)
+        self.shared: SuffixCache | None = None  # method "suffix": finished requests' counts
+        if config.method == "suffix":
+            self.shared = SuffixCache(
+                config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests
+            )
+
+    def enabled_for_batch(self, num_running: int) -> bool:
+        """vLLM's ``disable_by_batch_size``: a large batch is compute-bound, drafts don't pay."""
+        return num_running <= self.config.disable_by_batch_size
+
+    def propose(self, req: Any, max_drafts: int) -> list[int]:
+        """Draft tokens for a decoding request (at most ``max_drafts``); [] to decode plainly."""
+        k = min(self.k, max_drafts)
+        if k <= 0 or not can_speculate(req):
+            return []
+        st = req.spec_state
+        if st is None:
+            st = req.spec_state = self._new_state()
+        if st.gate is not None and not st.gate.allow():
+            return []
+        return st.index.propose(req.all_token_ids, k)
+
+    def _new_state(self) -> SpecState:
+        c = self.config
+        gate = AcceptanceGate() if c.adaptive else None
+        if self.shared is not None:
+            index = SuffixIndex(
+                self.shared, c.suffix_decoding_min_token_prob, c.suffix_decoding_max_spec_factor
+            )
+            return SpecState(index, gate)
+        return SpecState(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max), gate)
+
+    def on_finished(self, req: Any, num_running: int) -> None:
+        """A request that ran to its end (not aborted): suffix decoding remembers its output
+        (after the prompt's last tokens, as context; a new request's own prompt is in its own
+        counts, as Arctic keeps a tree per prompt and one over responses). Not while the batch
+        is over ``disable_by_batch_size``: then no request speculates, and counting a finished
+        output (~6 us a token at depth 8) would only slow the large batch down."""
+        if (
+            self.shared is None
+            or not req.num_output_tokens
+            or not self.enabled_for_batch(num_running)
+        ):
+            return
+        start = max(0, req.num_prompt_tokens - self.shared.depth)
+        self.shared.add(req.all_token_ids[start:])
+
+    def observe(self, req: Any, num_drafts: int, num_accepted: int) -> None:
+        """A request's drafts were verified: count them, and feed its gate."""
+        self.stats.observe(num_drafts, num_accepted)
+        gate = req.spec_state.gate if req.spec_state is not None else None
+        if gate is not None:
+            gate.record(num_drafts, num_accepted)
