@@ -160,6 +160,8 @@ def test_runner_is_enforced_both_ways(folder):
     assert not gen.llm_engine.has_unfinished_requests()
     with pytest.raises(ConfigError, match="runner must be one of"):
         LLM(str(path), runner="embed", calibrate_preemption=False)
+    with pytest.raises(ConfigError, match="speculative_config needs the generate runner"):
+        LLM(str(path), runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 def test_task_embed_is_the_older_alias(folder, caplog):
