@@ -139,6 +139,11 @@ class EngineConfig:
     # model/quant_int8.py) or "int4" (weight-only, groups of 32, model/quant_group.py).
     # Checkpoints that carry a quantization_config are read as they are.
     quantization: str | None = None
+    # vLLM's --runner: "generate" (text), or "pooling" (embeddings: kvledger/pooling); "auto"
+    # is "generate" for the decoder models served here. ``pooler_config``: vLLM's
+    # --pooler-config keys pooling_type (LAST | MEAN | CLS) and normalize, over the folder's.
+    runner: str = "auto"
+    pooler_config: dict | None = None
     # vLLM's speculative_config: a SpeculativeConfig, a dict or its JSON text; None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
 
@@ -157,6 +162,11 @@ class EngineConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("runner", self.runner, RUNNERS)
+        if self.runner == "auto":
+            self.runner = "generate"
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ConfigError("speculative_config needs the generate runner: a pooling model never decodes")
         _choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_BACKENDS)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.distributed_executor_backend is not None:
@@ -176,6 +186,7 @@ class EngineConfig:
         self.cache.validate()
 
 
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
 QUANTIZATION_METHODS = ("int8", "int4")  # on the fly; model/quant_int8.SUPPORTED
 
 

@@ -12,7 +12,8 @@ from kvledger.engine.gc_heap import deferred_full_collections
 from kvledger.errors import ConfigError, InvalidRequestError
 from kvledger.inputs import PromptType
 from kvledger.ledger.snapshot import LedgerSnapshot
-from kvledger.outputs import RequestOutput
+from kvledger.outputs import EmbeddingRequestOutput, RequestOutput
+from kvledger.pooling.params import PoolingParams
 from kvledger.sampling_params import SamplingParams
 
 __all__ = ["LLM", "build_engine_config"]
@@ -71,6 +72,35 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         return self._run([_parse_prompt(p) for p in prompts], sampling_params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType] | Sequence[int] | Sequence[Sequence[int]],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (vLLM's ``LLM.embed``; needs runner="pooling").
+
+        Each prompt is one prefill through the same scheduler, KV pool and prefix cache as
+        generation; the vector is pooled as the model's pooler config says (pooling/config.py).
+        """
+        if self.llm_engine.pooler_config is None:
+            raise InvalidRequestError(
+                "LLM.embed() needs the pooling runner: LLM(model, runner='pooling'); "
+                "this LLM runs the generate runner"
+            )
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        parsed = [_parse_prompt(p) for p in prompts]  # type: ignore[union-attr]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(parsed)
+        if len(pooling_params) != len(parsed):
+            raise ConfigError(f"got {len(pooling_params)} pooling params for {len(parsed)} prompts")
+        with deferred_full_collections():
+            outs = self._submit_and_step(parsed, pooling_params, use_tqdm)  # type: ignore[arg-type]
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]  # type: ignore[arg-type]
 
     def chat(
         self,

@@ -115,3 +115,47 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
         prompt_logprobs=prompt_lps,
         metrics=last.metrics,
     )
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (vLLM's ``PoolingOutput``; a list of floats here, so that the
+    torch-free front ends and the engine-core pipe carry it as plain data)."""
+
+    data: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What the engine hands back for a pooling request (vLLM's ``PoolingRequestOutput``)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed()``'s item (vLLM's shape: ``output.outputs.embedding``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data), out.prompt_token_ids, out.finished)

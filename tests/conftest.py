@@ -66,6 +66,7 @@ def no_leaked_blocks():
             assert not len(runner.block_table), "runner block-table rows leaked"
             if runner.overlay is not None:
                 assert not runner.overlay.states, "overlay slots leaked"
+            assert not runner.pooler.partial, f"partial pools leaked: {list(runner.pooler.partial)}"
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="quantise a float checkpoint's layer weights at load: int8 = W8A8 (per-channel int8 "
         "weights, dynamic per-token int8 activations; vLLM's name), int4 = weight-only, groups of 32",
     )  # fmt: skip
+    g.add_argument(
+        "--runner", default="auto", choices=["auto", "generate", "pooling"],
+        help="pooling: embed prompts (/v1/embeddings, LLM.embed) instead of generating text (vLLM's --runner)",
+    )  # fmt: skip
+    g.add_argument("--task", default=None, choices=["embed", "generate"], help="deprecated: use --runner (embed = pooling)")
+    g.add_argument(
+        "--pooler-config", default=None,
+        help='pooling over the folder\'s: JSON with pooling_type (LAST | MEAN | CLS) and normalize, e.g. \'{"pooling_type": "MEAN"}\'',
+    )  # fmt: skip
     g.add_argument("--kv-sink-tokens", type=int, default=4)
     g.add_argument("--kv-recent-tokens", type=int, default=0)
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped blocks")
@@ -129,7 +138,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
         "seed": args.seed,
         "attention_backend": args.attention_backend,
+        "runner": args.runner,
     }
+    if args.task is not None:
+        kw["task"] = args.task
+    if args.pooler_config is not None:
+        import json
+
+        try:
+            kw["pooler_config"] = json.loads(args.pooler_config)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--pooler-config is not JSON: {e}") from None
     if args.revision is not None:
         kw["revision"] = args.revision
     if args.download_dir is not None:

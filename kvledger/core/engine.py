@@ -26,6 +26,9 @@ from kvledger.errors import EngineFailedError, InvalidRequestError
 from kvledger.ledger.live import SwapStats, live_ledger
 from kvledger.ledger.snapshot import LedgerSnapshot
 from kvledger.outputs import RequestOutput
+from kvledger.pooling import requests as pooling
+from kvledger.pooling.config import PoolerConfig, load_pooler_config
+from kvledger.pooling.params import PoolingParams
 from kvledger.sampling_params import SamplingParams
 from kvledger.structured.manager import StructuredOutputManager
 
@@ -69,6 +72,10 @@ class LLMEngine:
             tokenizer, facts.vocab_size, facts.eos_token_ids, config.structured_outputs_backend
         )
         self.default_sampling_params = facts.default_sampling_params
+        # runner='pooling': the model embeds (kvledger/pooling); None: it generates.
+        self.pooler_config: PoolerConfig | None = None
+        if config.runner == "pooling":
+            self.pooler_config = load_pooler_config(config.model, facts.hf_config, config.pooler_config)
         self.groups: dict[str, RequestGroup] = {}
         self._counter = itertools.count()
         self.swaps = SwapStats()
@@ -127,19 +134,23 @@ class LLMEngine:
     def validate_prompt(self, token_ids: list[int]) -> None:
         self.inputs.validate_prompt(token_ids)
 
-    def check_params(self, params: SamplingParams) -> None:
-        self.inputs.check_params(params)
+    def check_params(self, params: SamplingParams | PoolingParams) -> None:
+        if pooling.resolve(self.pooler_config, params) is None:
+            self.inputs.check_params(params)  # type: ignore[arg-type]
 
     def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> str:
-        params = params or SamplingParams()
+        params = params or (PoolingParams() if self.pooler_config is not None else SamplingParams())
+        pooling_params = pooling.resolve(self.pooler_config, params)
+        if pooling_params is not None:  # prefill only: pooled, never sampled (pooling/requests.py)
+            params = pooling.PREFILL_ONLY
         self.inputs.check_params(params)
         if params.structured_outputs is not None:
             self.structured.resolve(params.structured_outputs)
@@ -153,6 +164,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = self.inputs.make_sequences(rid, token_ids, params, arrival, priority, cache_salt)
+        seqs[0].pooling_params = pooling_params
         self.groups[rid] = RequestGroup(rid, text, seqs)
         if params.structured_outputs is not None and not self.structured.submit(seqs[0]):
             return rid  # it joins the scheduler when its grammar is compiled
@@ -208,6 +220,9 @@ class LLMEngine:
         ro = self._execute(so)
         self._account_swaps(so, ro)
         now = time.monotonic()
+        for rid, vec in ro.pooler_output.items():  # pooling requests: their prompt is done
+            self.scheduler.requests[rid].pooled = vec
+            touched.add(rid)
         for rid, lps in ro.prompt_logprobs.items():
             for d in lps:
                 self.outputs.decode_logprobs(d)

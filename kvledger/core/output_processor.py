@@ -88,6 +88,10 @@ class OutputProcessor:
         O(new tokens) per call for DELTA: no whole-output decode or copy.
         """
         first = group.seqs[0]
+        if first.pooling_params is not None:
+            from kvledger.pooling.requests import make_pooling_output
+
+            return make_pooling_output(group)  # type: ignore[return-value]
         delta = first.sampling_params.output_kind is RequestOutputKind.DELTA
         completions = []
         for seq in group.seqs:

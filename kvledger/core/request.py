@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvledger.logprobs import Logprob
+from kvledger.pooling.params import PoolingParams
 from kvledger.sampling_params import SamplingParams
 
 
@@ -64,6 +65,9 @@ class Request:
     finished_time: float | None = None
     bad_words_token_ids: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
     grammar: object | None = None  # kvledger.structured.state.GrammarState when constrained
+    # A pooling request (kvledger/pooling): prefill only, finished by its pooled vector.
+    pooling_params: PoolingParams | None = None
+    pooled: list[float] | None = None
     # Speculative decoding: the drafts scheduled this step (verified and cleared by the update),
     # the proposer's per-request state (kvledger.spec_decode.speculator.SpecState), and how many
     # tokens the last update appended (1, or accepted drafts + 1).

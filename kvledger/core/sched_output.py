@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvledger.cache.table_delta import TableDeltas
+from kvledger.pooling.params import PoolingParams
 from kvledger.sampling_params import SamplingParams
 from kvledger.structured.bitmask import GrammarBitmask
 
@@ -29,6 +30,7 @@ class NewRequestData:
     index: int = 0  # n > 1: this sequence's index (seeds its generator)
     children: list[tuple[str, int]] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
 
 
 @dataclass

@@ -269,8 +269,10 @@ class Scheduler:
             if req.status is RequestStatus.WAITING and req.request_id in preempted_now:
                 break  # evicted this very step: re-admitting it now would only thrash
             salt = self._kv_salt(req)
-            if req.sampling_params.prompt_logprobs is not None:
-                computed, num_cached = [], 0  # every prompt position's logits are needed
+            if req.sampling_params.prompt_logprobs is not None or (
+                req.pooling_params is not None and req.pooling_params.needs_all_rows
+            ):
+                computed, num_cached = [], 0  # every prompt position's logits / hidden rows are needed
             else:
                 computed, num_cached = self.kv.get_computed_blocks(req.all_token_ids, salt)
             n = req.num_tokens - num_cached
@@ -360,6 +362,7 @@ class Scheduler:
             index=req.index,
             children=[(c.request_id, c.index) for c in req.children],
             bad_words_token_ids=req.bad_words_token_ids,
+            pooling_params=req.pooling_params,
         )
 
     def take_finished_ids(self) -> SchedulerOutput | None:
@@ -472,6 +475,10 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.stats.last_step_released_blocks = 0
         for req in self.update_after_step(so, now, accepted):
+            if req.pooling_params is not None:  # prefill only: the runner pooled its prompt
+                self.finish_request(req, "stop")
+                req.finished_time = now
+                continue
             if fork is not None and req.children and req.num_output_tokens == 0:
                 for child in fork(req):
                     self._append_token(child, token_of(child), now)

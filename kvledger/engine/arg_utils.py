@@ -30,6 +30,24 @@ _NO_EFFECT: dict[str, tuple[object, str]] = {
 }
 _warned: set[str] = set()
 
+# vLLM's older --task values and the runner each now is (the others are not served here).
+_TASK_RUNNER = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+
+def _task_to_runner(kwargs: dict) -> None:
+    """``task=`` (vLLM's deprecated spelling) becomes ``runner=``, with a warning once."""
+    task = kwargs.pop("task", None)
+    if task is None:
+        return
+    if task not in _TASK_RUNNER:
+        raise ConfigError(f"task {task!r} is not supported; use runner='generate' or runner='pooling' (embed)")
+    if "task" not in _warned:
+        _warned.add("task")
+        logger.warning("task=%r is deprecated (as in vLLM); use runner=%r", task, _TASK_RUNNER[task])
+    if kwargs.get("runner", "auto") not in (_TASK_RUNNER[task], "auto"):
+        raise ConfigError(f"task={task!r} contradicts runner={kwargs['runner']!r}; pass runner only")
+    kwargs["runner"] = _TASK_RUNNER[task]
+
 
 def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
     """Split flat keyword options (vLLM style) into the three config dataclasses."""
@@ -60,6 +78,7 @@ def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
     if kwargs.get("enforce_eager") is False and not on_cuda and "enforce_eager" not in _warned:
         _warned.add("enforce_eager")
         logger.warning("enforce_eager has no effect on the CPU: CUDA graphs are captured on CUDA only")
+    _task_to_runner(kwargs)
     if "max_num_batched_tokens" not in kwargs and "max_model_len" in kwargs:
         kwargs["max_num_batched_tokens"] = max(2048, kwargs["max_model_len"])
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED}

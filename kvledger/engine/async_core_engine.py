@@ -113,7 +113,7 @@ class AsyncCoreEngine(StreamingFront):
         else:
             ids, text = list(prompt), None
         idx = self.choose_engine(ids, request_id, params)
-        stream = RequestStream(self, request_id, params.output_kind is RequestOutputKind.DELTA)  # type: ignore[arg-type]
+        stream = RequestStream(self, request_id, getattr(params, "output_kind", None) is RequestOutputKind.DELTA)  # type: ignore[arg-type]
         stream.prompt_token_ids, stream.prompt = ids, text
         self.streams[request_id] = stream
         self._engine_of[request_id] = idx

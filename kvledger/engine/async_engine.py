@@ -101,7 +101,7 @@ class AsyncEngine(StreamingFront):
         if request_id in self.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic()
-        stream = RequestStream(self, request_id, params.output_kind is RequestOutputKind.DELTA)
+        stream = RequestStream(self, request_id, getattr(params, "output_kind", None) is RequestOutputKind.DELTA)
         self.streams[request_id] = stream
 
         def add() -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from kvledger.outputs import RequestOutput
+from kvledger.outputs import PoolingRequestOutput, RequestOutput
 
 # front end -> core
 ADD = b"A"  # (request id, prompt ids, prompt text, pickled params, arrival, priority)
@@ -30,17 +30,22 @@ RESULT = b"Q"  # pickled (query id, ok, result or exception)
 DEAD = b"D"  # pickled exception: the core stopped
 
 _encoder = msgspec.msgpack.Encoder()
-_outputs_decoder = msgspec.msgpack.Decoder(list[RequestOutput])
+# Generation and pooling outputs travel as two lists (msgpack cannot tell the dataclasses apart).
+_outputs_decoder = msgspec.msgpack.Decoder(tuple[list[RequestOutput], list[PoolingRequestOutput]])
 _add_decoder = msgspec.msgpack.Decoder(tuple[str, list[int], str | None, bytes, float, int])
 _abort_decoder = msgspec.msgpack.Decoder(list[str])
 
 
-def encode_outputs(outs: list[RequestOutput]) -> bytes:
-    return _encoder.encode(outs)
+def encode_outputs(outs: list[RequestOutput | PoolingRequestOutput]) -> bytes:
+    pooled = [o for o in outs if isinstance(o, PoolingRequestOutput)]
+    if pooled:
+        outs = [o for o in outs if not isinstance(o, PoolingRequestOutput)]
+    return _encoder.encode((outs, pooled))
 
 
-def decode_outputs(body: bytes) -> list[RequestOutput]:
-    return _outputs_decoder.decode(body)
+def decode_outputs(body: bytes) -> list[RequestOutput | PoolingRequestOutput]:
+    generated, pooled = _outputs_decoder.decode(body)
+    return [*generated, *pooled] if pooled else generated
 
 
 def encode_add(

@@ -39,6 +39,8 @@ class EngineInfo:
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     has_tokenizer: bool = True
     tensor_parallel_size: int = 1  # TP ranks behind this engine
+    runner: str = "generate"  # "pooling": the model embeds (kvledger/pooling)
+    pooler_config: Any = None  # pooling.config.PoolerConfig of a pooling engine
 
     @classmethod
     def from_engine(cls, eng: LLMEngine) -> EngineInfo:
@@ -63,6 +65,8 @@ class EngineInfo:
             default_sampling_params=dict(eng.default_sampling_params),
             has_tokenizer=eng.tokenizer is not None,
             tensor_parallel_size=cfg.tensor_parallel_size,
+            runner="pooling" if eng.pooler_config is not None else "generate",
+            pooler_config=eng.pooler_config,
         )
 
 

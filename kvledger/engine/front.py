@@ -53,11 +53,12 @@ def add_served_request(
     is refused (as OpenAI and vLLM do) instead of being cut short silently.
     """
     eng.validate_prompt(ids)
-    if params.max_tokens is not None and len(ids) + params.max_tokens > eng.max_model_len:
+    max_tokens = getattr(params, "max_tokens", None)  # PoolingParams: none
+    if max_tokens is not None and len(ids) + max_tokens > eng.max_model_len:
         raise InvalidRequestError(
             f"this model's maximum context length is {eng.max_model_len} tokens, but "
-            f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
-            f"{params.max_tokens} for the completion); reduce the prompt or max_tokens"
+            f"{len(ids) + max_tokens} were requested ({len(ids)} in the prompt, "
+            f"{max_tokens} for the completion); reduce the prompt or max_tokens"
         )
     eng.add_request(ids, params, request_id, arrival_time=arrival, priority=priority)
     if text is not None:

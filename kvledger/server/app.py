@@ -2,7 +2,8 @@
 
 The endpoints live one family per module: serving_completion (/v1/completions), serving_chat
 (/v1/chat/completions), serving_messages (Anthropic's /v1/messages) and serving_responses
-(OpenAI's /v1/responses), both over the chat path of chat_run, ops (health, version, models, ledger, metrics, tokenize), worker_info (what routers such as
+(OpenAI's /v1/responses), both over the chat path of chat_run, serving_embedding
+(/v1/embeddings, pooling runner), ops (health, version, models, ledger, metrics, tokenize), worker_info (what routers such as
 sglang-router read from a worker), with what
 they share in serving (ServingContext) and streaming (the one SSE loop). Errors are OpenAI's
 JSON (errors); the guard checks keys and body size before any parsing (guard). Input errors
@@ -112,6 +113,7 @@ def build_app(engine: LLMEngine | AsyncCoreEngine, config: ServerConfig) -> Fast
     from kvledger.server.ops import mount_ops
     from kvledger.server.serving_chat import mount_chat
     from kvledger.server.serving_completion import mount_completions
+    from kvledger.server.serving_embedding import mount_embeddings
     from kvledger.server.serving_messages import mount_messages
     from kvledger.server.serving_responses import mount_responses
     from kvledger.server.worker_info import mount_worker_info
@@ -121,6 +123,7 @@ def build_app(engine: LLMEngine | AsyncCoreEngine, config: ServerConfig) -> Fast
     mount_chat(app, ctx)
     mount_messages(app, ctx)
     mount_responses(app, ctx)
+    mount_embeddings(app, ctx)
     mount_ops(app, ctx, metrics)
     mount_worker_info(app, ctx)
     return app

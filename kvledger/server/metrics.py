@@ -301,10 +301,14 @@ class ServerMetrics:
                 self._last[out.request_id] = (num_tokens, met.last_token_time)
             if out.finished:
                 self._last.pop(out.request_id, None)
-                for c in out.outputs:
-                    self.request_success.labels(m, c.finish_reason or "abort").inc()
-                    reason = c.finish_reason if c.finish_reason in v.success else "abort"
-                    v.success[reason].inc()
+                # a pooling output (one vector, no completions) finished when it was pooled
+                reasons = (
+                    [c.finish_reason for c in out.outputs] if isinstance(out.outputs, list)
+                    else ["stop" if out.outputs.data else "abort"]
+                )  # fmt: skip
+                for finish in reasons:
+                    self.request_success.labels(m, finish or "abort").inc()
+                    v.success[finish if finish in v.success else "abort"].inc()
                 if met is not None:
                     end = met.finished_time or met.last_token_time
                     if end is not None:

@@ -23,6 +23,7 @@ from kvledger.core.sched_output import SchedulerOutput
 from kvledger.kernels import native
 from kvledger.logprobs import Logprob
 from kvledger.model.attention.metadata import AttentionMetadata
+from kvledger.pooling.pooler import PoolingAccumulator
 from kvledger.sample.sampler import SampleRequest, make_logprobs, sample
 from kvledger.spec_decode.rejection import num_accepted
 from kvledger.storage.kv_cache import HostKVPool, KVCachePool
@@ -45,6 +46,7 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)  # pooling requests done
     swap_out_seconds: float = 0.0
     swap_in_seconds: float = 0.0
 
@@ -63,6 +65,8 @@ class StepInputs:
     # Speculating requests and their drafts; each one's 1 + len(drafts) rows are consecutive
     # samplers.
     verify: list[tuple[CachedRequestState, list[int]]] = field(default_factory=list)
+    # Pooling requests: (id, params, first row, rows, start, prompt length); see pooling/pooler.py.
+    pooling: list[tuple] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -99,6 +103,7 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.graphs = graphs
         self._forks: list[tuple[str, str]] = []  # n > 1 (parent, child) forked this step
+        self.pooler = PoolingAccumulator()  # pooling requests' partial pools across chunks
         # Quantised KV with sinks / a recent window: which full-precision overlay slot each
         # request owns (kvledger.storage.kv_overlay.OverlaySlots); None for unquantised caches.
         self.overlay = None
@@ -117,6 +122,8 @@ class ModelRunner:
         if self.overlay is not None and so.finished_req_ids:
             self.overlay.release(so.finished_req_ids)
         self.requests.update(so)
+        if so.finished_req_ids:
+            self.pooler.drop(so.finished_req_ids)
         deltas = so.table_deltas
         if deltas.changed:
             top = max(d.group for d in deltas.changed)
@@ -166,7 +173,7 @@ class ModelRunner:
         if spec:
             sample_rows, samplers, verify = self._verify_rows(states, offsets, last_rows, seq_lens, spec)
         else:
-            due = [e == len(r.all_token_ids) for r, e in zip(states, seq_lens)]
+            due = [e == len(r.all_token_ids) and r.pooling_params is None for r, e in zip(states, seq_lens)]
             sample_rows = [x for x, d in zip(last_rows, due) if d]  # flat row of each due request
             samplers = [(i, r) for i, r in enumerate(r for r, d in zip(states, due) if d)]
             verify = []
@@ -189,7 +196,14 @@ class ModelRunner:
             lens = np.asarray([len(r.all_token_ids) for r in states], dtype=np.int64)
             meta.rope_seq_lens = torch.from_numpy(lens).to(self.device)
         ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(self.device)
-        return StepInputs(ids, positions, meta, states, sample_rows, samplers, prompt_rows, verify)
+        inp = StepInputs(ids, positions, meta, states, sample_rows, samplers, prompt_rows, verify)
+        if any(r.pooling_params is not None for r in states):
+            first = [0, *itertools.accumulate(query_lens)]
+            inp.pooling = [
+                (r.request_id, r.pooling_params, first[i], query_lens[i], starts[i], r.num_prompt_tokens)
+                for i, r in enumerate(states) if r.pooling_params is not None
+            ]  # fmt: skip
+        return inp
 
     @staticmethod
     def _verify_rows(
@@ -212,7 +226,7 @@ class ModelRunner:
                 for x in range(offsets[i], offsets[i] + len(drafts) + 1):
                     samplers.append((len(sample_rows), r))
                     sample_rows.append(x)
-            elif e == len(r.all_token_ids):
+            elif e == len(r.all_token_ids) and r.pooling_params is None:
                 samplers.append((len(sample_rows), r))
                 sample_rows.append(last_rows[i])
         return sample_rows, samplers, verify
@@ -260,6 +274,8 @@ class ModelRunner:
             for parent, child in self._forks:  # a child starts from its parent's rows
                 self.overlay.fork(parent, child)
         self._forks.clear()
+        if inp.pooling and sample:
+            out.pooler_output = self.pooler.pool_step(hidden, inp.pooling)
         rows = _logits_rows(inp)
         if not rows:
             return out

@@ -30,6 +30,7 @@ class CachedRequestState:
     children: list[str] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     sampling_state: object | None = None  # sample.logits_processor.SamplingState
+    pooling_params: object | None = None  # kvledger.pooling.params.PoolingParams: pooled, not sampled
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -81,7 +82,7 @@ class RequestStates(dict[str, CachedRequestState]):
         st = CachedRequestState(
             new.req_id, new.prompt_token_ids, params, self.eos_token_ids,
             _generator(params, new.index), new.bad_words_token_ids,
-            children=[cid for cid, _ in new.children],
+            children=[cid for cid, _ in new.children], pooling_params=new.pooling_params,
         )  # fmt: skip
         self[new.req_id] = st
         for cid, index in new.children:

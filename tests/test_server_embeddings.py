@@ -1,0 +1,154 @@
+"""/v1/embeddings (issue 45) on a real `kvledger serve --runner pooling` of stories260k, driven
+with the official `openai` client: strings, lists, token ids, float and base64 (the client's
+default) encodings, usage, Matryoshka `dimensions` refused by name, generation endpoints refused
+naming the runner, hostile bodies as 4xx, the API key, and vLLM's request metrics.
+
+The vectors are checked against transformers on the same folder: the last token's final hidden
+state, L2-normalised (vLLM's default for a decoder model without a pooling config).
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from tests.test_server import STORIES, TEMPLATE, ServerProcess, running_stories
+
+KEY = "sk-embed-test"
+NAME = "stories-embed"
+TEXTS = ["Once upon a time", "Tom and his dog Max went to the big green park and played all day"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_stories(tmp_path_factory, "--runner", "pooling", "--api-key", KEY, "--served-model-name", NAME,
+                         "--chat-template", TEMPLATE) as srv:  # fmt: skip
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client(KEY)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' normalised last-token hidden state of a token-id prompt."""
+    hf = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+
+    def embed(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            h = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+        return F.normalize(h, dim=-1)
+
+    return embed
+
+
+def _ids(server, text: str) -> list[int]:
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, headers={"Authorization": f"Bearer {KEY}"})
+    return r.json()["tokens"]
+
+
+def _cos(a, b: torch.Tensor) -> float:
+    return F.cosine_similarity(torch.tensor(a, dtype=torch.float32), b, dim=0).item()
+
+
+def test_openai_client_embeddings_match_transformers(client, server, reference):
+    ids = [_ids(server, t) for t in TEXTS]
+    for fmt in ("base64", "float"):  # the client asks for base64 unless told
+        kw = {} if fmt == "base64" else {"encoding_format": "float"}
+        res = client.embeddings.create(model=NAME, input=TEXTS, **kw)
+        assert [d.index for d in res.data] == [0, 1] and res.model == NAME
+        for d, i in zip(res.data, ids):
+            assert len(d.embedding) == 64 and _cos(d.embedding, reference(i)) >= 0.9999
+        assert res.usage.prompt_tokens == res.usage.total_tokens == sum(map(len, ids))
+    one = client.embeddings.create(model=NAME, input=TEXTS[0], encoding_format="float")
+    assert len(one.data) == 1 and _cos(one.data[0].embedding, reference(ids[0])) >= 0.9999
+    by_ids = client.embeddings.create(model=NAME, input=ids[1], encoding_format="float")
+    assert _cos(by_ids.data[0].embedding, reference(ids[1])) >= 0.9999
+    many = client.embeddings.create(model=NAME, input=[ids[1], ids[0], [1, 400, 401]])
+    assert [round(_cos(d.embedding, reference(i)), 4) for d, i in zip(many.data, [ids[1], ids[0], [1, 400, 401]])] == [1.0] * 3
+    assert server.ledger(KEY)["used_blocks"] == 0
+
+
+def test_dimensions_refused_by_name_on_a_non_matryoshka_model(client):
+    with pytest.raises(openai.BadRequestError, match="dimensions is not supported by this model"):
+        client.embeddings.create(model=NAME, input="hi", dimensions=8)
+
+
+def test_generation_endpoints_name_the_runner(client, server):
+    with pytest.raises(openai.BadRequestError, match="pooling runner"):
+        client.completions.create(model=NAME, prompt="Once", max_tokens=3)
+    with pytest.raises(openai.BadRequestError, match="pooling runner"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    with pytest.raises(openai.BadRequestError, match="pooling runner"):
+        client.completions.create(model=NAME, prompt="Once", max_tokens=3, stream=True)
+    with pytest.raises(openai.BadRequestError, match="pooling runner"):
+        client.responses.create(model=NAME, input="Once", max_output_tokens=3)
+    r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY}, timeout=60,
+                   json={"model": NAME, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
+    assert r.status_code == 400 and "pooling runner" in r.json()["error"]["message"], r.text
+    assert server.ledger(KEY)["used_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({}, "input"),
+        ({"input": 5}, "input"),
+        ({"input": []}, "input is empty"),
+        ({"input": [[]]}, "empty"),
+        ({"input": ["a", ""]}, "empty"),
+        ({"input": [-1]}, "input"),
+        ({"input": [10**30]}, "input"),
+        ({"input": [100000]}, "vocabulary"),
+        ({"input": [1] * 600}, "context"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "hi", "dimensions": True}, "dimensions"),
+        ({"input": "hi", "dimensions": 0}, "dimensions"),
+        ({"input": "hi", "colour": "red"}, "colour"),
+        ({"input": "hi", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+        ({"input": "hi", "model": "gpt-4"}, "gpt-4"),
+        ({"input": ["x"] * 2049}, "at most 2048"),
+    ],
+)
+def test_hostile_bodies_get_4xx_naming_the_problem(server, body, needle):
+    r = httpx.post(f"{server.url}/v1/embeddings", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    assert needle in r.json()["error"]["message"], r.text
+
+
+def test_raw_garbage_and_missing_key(server):
+    url = f"{server.url}/v1/embeddings"
+    auth = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    for raw in (b"{", b"[1,2]", b"null", b'{"input": {"a": 1}}', b"\xff\xfe"):
+        r = httpx.post(url, content=raw, headers=auth, timeout=30)
+        assert 400 <= r.status_code < 500, (raw, r.text)
+    r = httpx.post(url, content=b'{"input": "\\ud800"}', headers=auth, timeout=30)
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+    r = httpx.post(url, json={"input": "hi"}, timeout=30)
+    assert r.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong-key").embeddings.create(model=NAME, input="hi")
+
+
+def test_embeddings_count_in_vllm_metrics(client, server):
+    key = "vllm:request_success_total{engine=0,finished_reason=stop}"
+    before = server.metrics().get(key, 0)
+    client.embeddings.create(model=NAME, input=["one", "two", "three"])
+    assert server.metrics()[key] == before + 3
+    assert server.ledger(KEY)["used_blocks"] == 0
+
+
+def test_a_generate_server_refuses_embeddings_naming_the_runner(tmp_path):
+    srv = ServerProcess(str(STORIES), "--torch-threads", "1", log_path=tmp_path / "gen.log")
+    try:
+        srv.wait_ready()
+        with pytest.raises(openai.BadRequestError, match="pooling runner"):
+            srv.client().embeddings.create(model=str(STORIES), input="hi")
+    finally:
+        srv.stop()
