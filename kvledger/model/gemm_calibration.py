@@ -20,6 +20,7 @@ from kvledger import envs
 from kvledger.kernels import native
 from kvledger.kernels.gemm_dispatch import (
     PROBE_ROWS,
+    TOLERANCE,
     GemmDispatch,
     dtype_name,
     machine_key,
@@ -31,7 +32,6 @@ from kvledger.model.layers import Linear
 logger = logging.getLogger("kvledger")
 
 BUDGET_S = 3.0  # issue 41: the calibration bounded, start-up kept within 5 s
-NOISY_SPREAD = 1.25
 NOISY_SHARE = 0.25
 
 
@@ -86,9 +86,9 @@ def measure(
     linears: list[Linear], dtype: torch.dtype, max_rows: int, budget_s: float = BUDGET_S
 ) -> GemmDispatch:
     """Time both kernels at probe_rows(max_rows) in probe_order, within budget_s. A probe whose
-    rounds disagree by more than NOISY_SPREAD (the second-fastest over the fastest) was timed
-    while something else had the cores; past NOISY_SHARE of such probes the result says so
-    (``noisy``): it is used for the run but not cached."""
+    second-fastest rounds would pick the other kernel than its fastest rounds was timed while
+    something else had the cores (or the two are too close to tell); past NOISY_SHARE of such
+    probes the result says so (``noisy``): it is used for the run but not cached."""
     t0 = time.perf_counter()
     rows, nat, lib, noisy = [], [], [], 0
     for m in probe_order(probe_rows(max_rows)):
@@ -106,7 +106,10 @@ def measure(
                 if r > 0:
                     times[kernel].append(ms)
         fastest = {k: sorted(v) for k, v in times.items()}
-        noisy += any(v[1] > NOISY_SPREAD * v[0] for v in fastest.values())
+        # unsteady where the second-fastest rounds would choose the other kernel
+        noisy += (fastest["native"][0] <= TOLERANCE * fastest["onednn"][0]) != (
+            fastest["native"][1] <= TOLERANCE * fastest["onednn"][1]
+        )
         rows.append(m)
         nat.append(fastest["native"][0])
         lib.append(fastest["onednn"][0])
