@@ -187,7 +187,7 @@ class EngineConfig:
 
 
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
-QUANTIZATION_METHODS = ("int8", "int4")  # on the fly; model/quant_int8.SUPPORTED
+QUANTIZATION_METHODS = ("int8", "int4")  # on the fly (model/quant_int8.py, model/quant_group.py)
 
 
 def _positive(name: str, value: int) -> None:

@@ -115,23 +115,25 @@ def test_unsupported_quantization_is_refused_with_the_supported_list(stories_pat
     assert out.returncode == 2 and "--quantization" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_plan_counts_the_int8_weights_the_engine_holds(stories_path):
-    """`kvledger plan --quantization int8` predicts the weight bytes the live engine reports, to
-    the byte, and the tokens and requests its smaller weights leave for KV."""
+@pytest.mark.parametrize(("method", "source"), [("int8", "int8 (W8A8)"), ("int4", "int4 (groups of 32)")])
+def test_plan_counts_the_quantised_weights_the_engine_holds(stories_path, method, source):
+    """`kvledger plan --quantization` predicts the weight bytes the live engine reports, to the
+    byte (int8's tile padding and the int4 projection kept in float32 included), and the tokens
+    and requests its smaller weights leave for KV."""
     import json
 
     from kvledger import LLM
 
     out = subprocess.run(
-        [sys.executable, "-m", "kvledger", "plan", "--model", str(stories_path), "--quantization", "int8",
+        [sys.executable, "-m", "kvledger", "plan", "--model", str(stories_path), "--quantization", method,
          "--device-memory", "4MiB", "--memory-fraction", "1", "--json"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     f = json.loads(out.stdout)
-    live = LLM(str(stories_path), quantization="int8", calibrate_preemption=False)
+    live = LLM(str(stories_path), quantization=method, calibrate_preemption=False)
     assert f["weight_bytes"] == live.engine.executor.worker.ready.weight_bytes
-    assert f["weight_source"] == "checkpoint, int8 (W8A8)"
+    assert f["weight_source"] == f"checkpoint, {source}"
     q = f["quantization"]
     assert q["unquantized_weight_bytes_per_rank"] > f["weight_bytes"] and q["extra_tokens"] > 0
     plain = LLM(str(stories_path), calibrate_preemption=False)

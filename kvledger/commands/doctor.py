@@ -39,18 +39,9 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _cpu() -> dict:
-    from pathlib import Path
+    from kvledger.kernels.native_build import _cpu_flags, cpu_model, library, selected_isa
 
-    from kvledger.kernels.native_build import _cpu_flags, library, selected_isa
-
-    name = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    name = cpu_model()
     flags = set(_cpu_flags().split())
     lib = library()
     return {

@@ -472,7 +472,7 @@ def _check_packed_int4(q: dict[str, Any]) -> None:
         raise ConfigError(f"{method} checkpoints of {q.get('bits')} bits are not supported (4 bits are)")
     g = q.get("group_size", 128)
     if g != -1 and (not isinstance(g, int) or g <= 0 or g % 32):
-        raise ConfigError(f"{method} group_size {g!r} is not supported: a multiple of {32}, or -1")
+        raise ConfigError(f"{method} group_size {g!r} is not supported: a multiple of 32, or -1")
     if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
         raise ConfigError(f"awq version {q.get('version')!r} is not supported (gemm is)")
     if method == "gptq" and q.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):

@@ -22,7 +22,6 @@ import bisect
 import hashlib
 import json
 import os
-import platform
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +72,7 @@ class GemmDispatch:
     source: str = ""  # "measured", the cache file's path, or why it is builtin
     noisy: bool = False  # measured while the cores were busy (then not cached)
     _table: bytes = field(default=b"", repr=False, compare=False)
+    _torch_dtype: torch.dtype | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,6 +85,7 @@ class GemmDispatch:
                 raise ValueError("calibrated rows must ascend and times be positive")
             top = self.rows[-1]
             object.__setattr__(self, "_table", bytes(self._decide(m) for m in range(top + 1)))
+            object.__setattr__(self, "_torch_dtype", getattr(torch, self.dtype, None))
 
     def _decide(self, m: int) -> bool:
         if m < 1:
@@ -101,7 +102,7 @@ class GemmDispatch:
             return True
         if self.mode == "onednn":
             return False
-        if self.mode == "calibrated" and dtype_name(dtype) == self.dtype:
+        if self.mode == "calibrated" and dtype == self._torch_dtype:  # per product: no string work
             return bool(self._table[m]) if m < len(self._table) else self._decide(m)
         return builtin_row_wise(m, dtype)
 
@@ -220,19 +221,11 @@ BUILTIN = GemmDispatch()
 def machine_key(extra: dict) -> tuple[str, dict]:
     """The cache key of a calibration: CPU model and flags, threads, the native build and torch,
     plus ``extra`` (dtype, shapes, rows); a hash of it names the file, the dict goes inside."""
-    from kvledger.kernels.native_build import _cpu_flags
+    from kvledger.kernels.native_build import _cpu_flags, cpu_model
 
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     lib = library()
     key = {
-        "cpu": model,
+        "cpu": cpu_model(),
         "flags": hashlib.sha256(_cpu_flags().encode()).hexdigest()[:16],
         "native_build": None if lib is None else os.path.basename(getattr(lib, "_name", "")),
         **extra,

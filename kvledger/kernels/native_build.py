@@ -63,6 +63,17 @@ def _cpu_flags() -> str:
     return ""
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the platform's word for it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_isas() -> list[str]:
     """The instruction sets of ISAS this CPU runs, best first."""
     if platform.machine() not in ("x86_64", "AMD64"):

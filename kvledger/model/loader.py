@@ -225,7 +225,7 @@ def _load_gguf(
     """Fill the model from the GGUF file a cache folder names (hf/gguf_file.py): Q8_0 / Q4_0
     layer projections become group-wise weights as they are (every piece of a fused projection
     of one such type), everything else floats in ``dtype``."""
-    from kvledger.hf.gguf_file import KEPT, GGUFWeights
+    from kvledger.hf.gguf_file import FLOAT, KEPT, GGUFWeights
     from kvledger.model.layers import Linear
     from kvledger.model.quant_group import GroupWeight
     from kvledger.storage import host_memory
@@ -255,7 +255,7 @@ def _load_gguf(
             held.copy_(codes)
             grouped[owner] = GroupWeight(held, torch.cat([s for _, s, _ in parts]).contiguous(), bits)
             continue
-        dequantised |= {k for k in kinds if k not in ("F32", "F16", "BF16")}
+        dequantised |= kinds - set(FLOAT)
         state[name] = torch.empty(shape, dtype=dtype, device=device)
         for hf, row, n in pieces:
             t = src.get(hf)

@@ -15,10 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvledger.config import QUANTIZATION_METHODS as SUPPORTED  # int4: model/quant_group.py
 from kvledger.kernels import native
-
-SUPPORTED = ("int8", "int4")  # int4: model/quant_group.py
-
 
 TILE = 16  # output rows per tile of csrc/int8_gemm.c's layout
 
@@ -33,10 +31,6 @@ class Int8Weight:
     scale: torch.Tensor
     wsum: torch.Tensor
     k: int  # input columns (q's are padded to a multiple of 4)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.wsum))
 
     def codes(self) -> torch.Tensor:
         """The plain [N, K] codes."""
