@@ -53,25 +53,24 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-def _cpu_flags() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first /proc/cpuinfo line's value for ``field`` (None where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return ""
+    return None
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo("flags") or ""
 
 
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), else the platform's word for it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_isas() -> list[str]:
