@@ -152,7 +152,7 @@ def model_dispatch(model: torch.nn.Module, max_rows: int, mode: str | None = Non
     cached = read_cached(digest, key)
     if cached is not None:
         return cached
-    d = measure(linears, linears[0].small.dtype, max_rows)
+    d = measure(linears, linears[0].small.dtype, max_rows, BUDGET_S)
     if d.noisy:
         logger.warning(
             "GEMM dispatch calibrated in %.2f s, but its timings were unsteady (the cores busy with "
