@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # what each attribute returns (read by ``__getattr__`` below)
     KVLEDGER_FUSED_LAYER: bool
     KVLEDGER_GEMM_DISPATCH: str
     KVLEDGER_BATCH_INVARIANT: bool
+    KVLEDGER_INT4_ACTIVATIONS: str
     KVLEDGER_CACHE_DIR: Path
     KVLEDGER_CACHE: str | None
     KVLEDGER_MALLOPT: bool
@@ -105,6 +106,13 @@ def _gemm_dispatch() -> str:
     return value
 
 
+def _int4_activations() -> str:
+    value = os.environ.get("KVLEDGER_INT4_ACTIVATIONS") or "auto"
+    if value not in ("auto", "int8", "float"):
+        raise ConfigError(f"KVLEDGER_INT4_ACTIVATIONS must be one of auto, int8, float, got {value!r}")
+    return value
+
+
 def _start_method() -> str:
     value = os.environ.get("KVLEDGER_ENGINE_START_METHOD") or "fork"
     if value not in START_METHODS:
@@ -176,6 +184,14 @@ environment_variables: dict[str, EnvVar] = {
         "0",
         "1: every CPU product the native kernel can take takes it, prefill rows included, so a "
         "request's outputs are the same bits alone and in any batch (vLLM's VLLM_BATCH_INVARIANT)",
+    ),
+    "KVLEDGER_INT4_ACTIVATIONS": EnvVar(
+        _int4_activations,
+        "str",
+        "auto",
+        "what 4-bit weights multiply: int8 (activations quantised per group of 32, llama.cpp's "
+        "Q4_0 x Q8_0; auto's choice for bf16/fp16 models) or float (the model dtype; auto's choice "
+        "for float32 models, exact against the dequantised weights)",
     ),
     "KVLEDGER_CACHE_DIR": EnvVar(
         _cache_dir,

@@ -136,3 +136,24 @@ def test_add_rms_norm_kernel_is_torch_add_then_rms_norm(dtype):
     before = h.clone()
     assert fn(h.data_ptr(), d.data_ptr(), None, None, 37, 64, ctypes.c_float(1e-5), 2) == 0  # add only
     assert torch.equal(h, before + d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_native_layer_takes_quantised_layers(method, dtype, tmp_path, monkeypatch, fused_runs):
+    """W8A8 and W4A8 layers run in the native layer with the modules' bits, at every step's rows
+    (their modules take the integer kernels at any row count, so no step falls back)."""
+    monkeypatch.setenv("KVLEDGER_INT4_ACTIVATIONS", "int8")  # W4A8 for float32 too
+    build_hf_model(_config("qwen2"), tmp_path)
+    loaded = load_model(tmp_path, dtype=dtype, quantization=method)
+    assert loaded.model.fused_layers is not None and loaded.model.fused_layers.all_quantised
+    native_drv, module_drv = PagedDriver(loaded, block_size=8), PagedDriver(loaded, block_size=8)
+    steps = _steps(torch.Generator().manual_seed(5))
+    for batch in steps:
+        monkeypatch.setenv("KVLEDGER_FUSED_LAYER", "1")
+        a = native_drv.step(batch)
+        monkeypatch.setenv("KVLEDGER_FUSED_LAYER", "0")
+        assert torch.equal(a, module_drv.step(batch)), batch
+    for x, y in zip(native_drv.pool.layers, module_drv.pool.layers, strict=True):
+        assert torch.equal(x.kv, y.kv)
+    assert fused_runs[0] == len(steps)

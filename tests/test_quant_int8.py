@@ -115,8 +115,12 @@ def test_unsupported_quantization_is_refused_with_the_supported_list(stories_pat
     assert out.returncode == 2 and "--quantization" in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize(("method", "source"), [("int8", "int8 (W8A8)"), ("int4", "int4 (groups of 32)")])
-def test_plan_counts_the_quantised_weights_the_engine_holds(stories_path, method, source):
+@pytest.mark.parametrize(
+    ("method", "source", "dtype"),
+    [("int8", "int8 (W8A8)", "float32"), ("int4", "int4 (groups of 32)", "float32"),
+     ("int4", "int4 (groups of 32)", "bfloat16")],  # bf16: W4A8 tiles, fp16 scales, rows padded to 16
+)  # fmt: skip
+def test_plan_counts_the_quantised_weights_the_engine_holds(stories_path, method, source, dtype):
     """`kvledger plan --quantization` predicts the weight bytes the live engine reports, to the
     byte (int8's tile padding and the int4 projection kept in float32 included), and the tokens
     and requests its smaller weights leave for KV."""
@@ -126,15 +130,15 @@ def test_plan_counts_the_quantised_weights_the_engine_holds(stories_path, method
 
     out = subprocess.run(
         [sys.executable, "-m", "kvledger", "plan", "--model", str(stories_path), "--quantization", method,
-         "--device-memory", "4MiB", "--memory-fraction", "1", "--json"],
+         "--dtype", dtype, "--device-memory", "4MiB", "--memory-fraction", "1", "--json"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     f = json.loads(out.stdout)
-    live = LLM(str(stories_path), quantization=method, calibrate_preemption=False)
+    live = LLM(str(stories_path), quantization=method, dtype=dtype, calibrate_preemption=False)
     assert f["weight_bytes"] == live.engine.executor.worker.ready.weight_bytes
     assert f["weight_source"] == f"checkpoint, {source}"
     q = f["quantization"]
     assert q["unquantized_weight_bytes_per_rank"] > f["weight_bytes"] and q["extra_tokens"] > 0
-    plain = LLM(str(stories_path), calibrate_preemption=False)
+    plain = LLM(str(stories_path), dtype=dtype, calibrate_preemption=False)
     assert q["unquantized_weight_bytes_per_rank"] == plain.engine.executor.worker.ready.weight_bytes

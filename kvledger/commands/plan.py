@@ -25,7 +25,7 @@ from kvledger.ledger.accounting import (
     parse_size,
     plan_capacity,
 )
-from kvledger.ledger.spec import ModelSpec, load_model_spec
+from kvledger.ledger.spec import DTYPE_BYTES, ModelSpec, load_model_spec
 from kvledger.ledger.weights import quantized_weight_bytes
 from kvledger.model.default import DEFAULT_MODEL_NAME, resolve_named_model
 
@@ -70,8 +70,15 @@ def add_parser(subparsers: Any) -> None:
         "--quantization",
         choices=["int8", "int4"],
         help="weights stored quantised (kvledger serve --quantization): int8 = W8A8, one byte per "
-        "layer weight plus 8 per output row; int4 = half a byte plus a 4-byte scale per 32; shows "
-        "the tokens and requests gained over the model dtype",
+        "layer weight plus 8 per output row; int4 = half a byte plus a scale per 32 (fp16 for "
+        "bf16/fp16 models, float32 for float32 ones); shows the tokens and requests gained over "
+        "the model dtype",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="the dtype the model runs in (kvledger serve --dtype; default: auto = the checkpoint's)",
     )
     p.add_argument(
         "--activation-reserve",
@@ -197,6 +204,10 @@ def heads_comparison(
 
 def run(args: argparse.Namespace) -> int:
     spec = load_model_spec(resolve_named_model(args.model) if args.model == DEFAULT_MODEL_NAME else args.model)
+    if getattr(args, "dtype", "auto") not in ("auto", spec.dtype):
+        # The checkpoint's bytes were counted in its dtype: every tensor is converted on load.
+        held = None if spec.weight_bytes is None else spec.weight_bytes // spec.dtype_bytes * DTYPE_BYTES[args.dtype]
+        spec = replace(spec, dtype=args.dtype, weight_bytes=held)
     kw = {
         "device": parse_size(args.device_memory),
         "reserve": parse_size(args.activation_reserve),

@@ -233,13 +233,17 @@ def library() -> ctypes.CDLL | None:
     lib.kvl_int8_gemm.argtypes = [ptr] * 6 + [c_int, ptr, i64, i64, i64, c_int]
     lib.kvl_group_gemm.argtypes = [ptr, c_int, ptr, c_int, ptr, ptr, ptr, ptr, i64, i64, i64, c_int]
     lib.kvl_group_dequantize.argtypes = [ptr, c_int, ptr, ptr, ptr, c_int, i64, i64, c_int]
+    lib.kvl_q4_quantize_act.argtypes = [ptr, c_int, ptr, ptr, ptr, i64, i64, c_int]
+    lib.kvl_q4_gemm.argtypes = [ptr] * 7 + [c_int, ptr, i64, i64, i64, c_int]
+    lib.kvl_q4_dequantize.argtypes = [ptr, ptr, ptr, ptr, c_int, i64, i64, c_int]
     for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
                lib.kvl_small_gemm_bf16_packed_f32out, lib.kvl_pack_weight, lib.kvl_bf16_packed_available,
                lib.kvl_paged_decode, lib.kvl_paged_prefill, lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16,
                lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul, lib.kvl_silu_mul_bf16,
                lib.kvl_quantize_write, lib.kvl_write_kv, lib.kvl_add_rms_norm, lib.kvl_add_rms_norm_bf16,
                lib.kvl_decoder_layer, lib.kvl_quantize_rows_i8, lib.kvl_int8_gemm, lib.kvl_int8_vnni,
-               lib.kvl_group_gemm, lib.kvl_group_dequantize):
+               lib.kvl_group_gemm, lib.kvl_group_dequantize, lib.kvl_q4_quantize_act, lib.kvl_q4_gemm,
+               lib.kvl_q4_dequantize):
         fn.restype = c_int
     lib.isa = isa
     lib.bf16_packed = bool(lib.kvl_bf16_packed_available())

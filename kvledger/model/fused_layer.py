@@ -9,9 +9,10 @@ for bit; it only runs where every one of them would have run natively:
 
 - the model (checked once, after its weights are packed): plain Llama layers (no q/k norms,
   sandwich norms, norm offsets, soft-capping, sliding windows, partial rotary or MoE), SiLU MLP,
-  every product packed for the native kernel, unsharded;
-- the step: every product takes the row-wise kernel (the model's RowInvariance.row_wise for the
-  step's rows), one KV-cache group, unquantised caches of the model dtype, and attention that is
+  every product packed for the native kernel or quantised to W8A8 / W4A8 (model/quant_int8.py,
+  model/quant_q4.py), unsharded;
+- the step: every float product takes the row-wise kernel (the model's RowInvariance.row_wise for
+  the step's rows; a model whose products are all quantised takes any rows), one KV-cache group, unquantised caches of the model dtype, and attention that is
   nothing but the native decode and prefill kernels (torch_backend's plan).
 
 Anything else goes through the modules. ``KVLEDGER_FUSED_LAYER=0`` turns it off (tests compare
@@ -29,11 +30,16 @@ from kvledger import envs
 from kvledger.kernels import native
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
 from kvledger.model.layers import GatedMLP, Linear, RMSNorm, RopeStep
+from kvledger.model.quant_int8 import Int8Weight
+from kvledger.model.quant_q4 import Q4Weight
 from kvledger.storage.kv_cache import PagedKVCache
 
 
 class _Gemm(Structure):
-    _fields_ = [("w", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("blocked", c_int64)]
+    _fields_ = [
+        ("w", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("blocked", c_int64),
+        ("kind", c_int64), ("scale", c_void_p), ("aux", c_void_p),
+    ]  # fmt: skip
 
 
 class _Layer(Structure):
@@ -66,13 +72,29 @@ def enabled() -> bool:
 
 
 def _gemm(lin: Linear) -> _Gemm:
-    s = lin.small
     bias = None if lin.bias is None else lin.bias.data_ptr()
-    return _Gemm(s.data.data_ptr(), bias, s.n, s.k, int(s.blocked))
+    w = lin.quant
+    if isinstance(w, Int8Weight):
+        return _Gemm(w.q.data_ptr(), bias, w.scale.shape[0], w.k, 0, 1, w.scale.data_ptr(), w.wsum.data_ptr())
+    if isinstance(w, Q4Weight):
+        zero = None if w.zero is None else w.zero.data_ptr()
+        return _Gemm(w.q.data_ptr(), bias, w.n, w.shape[1], 0, 2, w.scale.data_ptr(), zero)
+    s = lin.small
+    return _Gemm(s.data.data_ptr(), bias, s.n, s.k, int(s.blocked), 0, None, None)
 
 
 def _plain_linear(lin, dtype: torch.dtype) -> bool:
-    return type(lin) is Linear and lin.small is not None and lin.small.dtype == dtype
+    """A product the native layer runs as the module would: packed for the row-wise kernel, or
+    W8A8 / W4A8 (whose modules take the integer kernels at every row count)."""
+    if type(lin) is not Linear or (lin.bias is not None and lin.bias.dtype != dtype):
+        return False
+    if isinstance(lin.quant, Int8Weight) or (isinstance(lin.quant, Q4Weight) and lin.quant.perm is None):
+        return True
+    return lin.quant is None and lin.small is not None and lin.small.dtype == dtype
+
+
+def _quantised(lin) -> bool:
+    return lin.quant is not None
 
 
 def _plain_norm(norm, dtype: torch.dtype) -> bool:
@@ -97,6 +119,13 @@ class FusedLayers:
         self._addrs: list[int] = []  # their addresses, what the call takes
         self._key: tuple = ()  # (k, v addresses, blocks) of each layer's cache
         self._call = native.library().kvl_decoder_layer
+        # Every product quantised: the modules take the integer kernels at any row count, so any
+        # step's rows may run here (no row-wise condition).
+        self.all_quantised = all(
+            _quantised(m)
+            for layer in self.layers
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        )
 
     @classmethod
     def build(cls, model) -> FusedLayers | None:
@@ -173,7 +202,7 @@ class FusedLayers:
             or meta.per_layer is not None
             or not isinstance(backend, TorchAttentionBackend)
             or h.dtype != self.dtype
-            or not self.row_invariance.row_wise(T, self.dtype)
+            or not (self.all_quantised or self.row_invariance.row_wise(T, self.dtype))
         ):
             return None
         layers = self._layer_structs(kv_caches)

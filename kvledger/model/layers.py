@@ -17,6 +17,7 @@ from kvledger.kernels import native
 from kvledger.kernels.gemm_rows import RowInvariance, gemm_rows_bucket, rows_view
 from kvledger.model.quant_group import GroupWeight, group_linear
 from kvledger.model.quant_int8 import Int8Weight, int8_linear
+from kvledger.model.quant_q4 import Q4Weight, q4_linear
 from kvledger.storage import host_memory
 
 
@@ -43,7 +44,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN copy of weight, see pack()
         self.small: native.GemmWeight | None = None  # the native few-row kernel's copy, see pack()
-        self.quant: Int8Weight | GroupWeight | None = None  # weight holds the codes, see quantize()
+        self.quant: Int8Weight | GroupWeight | Q4Weight | None = None  # weight holds the codes, see quantize()
 
     @property
     def native_small(self) -> bool:
@@ -101,14 +102,20 @@ class Linear(nn.Module):
 
     def set_quantized(self, w: GroupWeight | Int8Weight) -> None:
         """Hold a quantised weight (made on the fly, or read from a GGUF / GPTQ / AWQ /
-        compressed-tensors checkpoint) instead of a float one."""
+        compressed-tensors checkpoint) instead of a float one. 4-bit weights of a model whose
+        activations are int8 (quant_q4.int8_activations: bf16 / fp16 models by default) are
+        repacked into the W4A8 tiles."""
+        from kvledger.model import quant_q4
+
+        if isinstance(w, GroupWeight) and quant_q4.eligible(w) and quant_q4.int8_activations(self.weight.dtype):
+            w = quant_q4.pack(w, alloc=host_memory.zeros)
         self.weight = nn.Parameter(w.q, requires_grad=False)
         self.quant_scale = nn.Parameter(w.scale, requires_grad=False)
         if isinstance(w, Int8Weight):
             self.quant_wsum = nn.Parameter(w.wsum, requires_grad=False)
         elif w.zero is not None:
             self.quant_zero = nn.Parameter(w.zero, requires_grad=False)
-        if isinstance(w, GroupWeight) and w.perm is not None:
+        if not isinstance(w, Int8Weight) and w.perm is not None:
             self.quant_perm = nn.Parameter(w.perm, requires_grad=False)
         self.quant = w
 
@@ -124,6 +131,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.quant, Int8Weight):
             return int8_linear(x, self.quant, self.bias)
+        if isinstance(self.quant, Q4Weight):
+            return q4_linear(x, self.quant, self.bias)
         if self.quant is not None:
             return group_linear(x, self.quant, self.bias)
         if not self._native_takes(x):

@@ -49,14 +49,14 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_weight(w: torch.Tensor, alloc=torch.zeros) -> GroupWeight:
-    """4 bits, on the fly: scale = max|w| / 7 per group of 32 (1 for a zero group), code =
+    """4 bits, on the fly: scale = max|w| / 7 rounded to fp16 per group of 32 (1 for a zero group), code =
     round(w / scale) half to even, clamped to -8..7. ``alloc(shape, dtype=)`` holds the codes
     (host_memory.zeros: huge pages, as the float weights)."""
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"int4 needs rows of a multiple of {GROUP} weights, got {k}")
     g = w.detach().float().reshape(n, k // GROUP, GROUP)
-    s = g.abs().amax(dim=-1) / 7.0
+    s = (g.abs().amax(dim=-1) / 7.0).half().float()  # an fp16 value, as Q4_0's: the W4A8 tiles hold fp16
     s = torch.where(s == 0, torch.ones_like(s), s)
     codes = torch.round(g / s[..., None]).clamp(-8, 7).reshape(n, k)
     packed = alloc((n, k // 2), dtype=torch.uint8)

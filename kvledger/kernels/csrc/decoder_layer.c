@@ -15,15 +15,20 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kernels.h"
 #include "simd.h"
 
-/* A weight as native.GemmWeight holds it: blocked (packed) or row-major [n, k]. */
+/* A weight as native.GemmWeight holds it (kind 0: blocked (packed) or row-major [n, k]), or a
+ * quantised one: kind 1 W8A8 (int8_gemm.c's tiles, scale: float32 per row, aux: int32 code sums),
+ * kind 2 W4A8 (q4_gemm.c's tiles, scale: fp16 per tile and group, aux: zeros or NULL). */
 typedef struct {
     const void *w, *bias; /* bias: NULL or n elements */
     int64_t n, k;
     int64_t blocked;
+    int64_t kind;
+    const void *scale, *aux;
 } kvl_gemm_t;
 
 typedef struct {
@@ -48,7 +53,31 @@ typedef struct {
     void *x, *qkv, *attn, *gu, *act, *tmp; /* scratch, T rows each */
 } kvl_step_t;
 
+/* A quantised product as the modules run it (quant_int8.int8_linear, quant_q4.q4_linear): the
+ * activations quantised, then the integer kernel. */
+static int quantised_gemm(const kvl_gemm_t *g, int elem, const void *x, void *y, int64_t m, int threads) {
+    const int bf16 = elem == ELEM_BF16;
+    const int64_t K = g->k, groups = K / 32;
+    int rc = -1;
+    int8_t *q = malloc((size_t)(m * K));
+    float *s = malloc(sizeof(float) * (size_t)(m * (g->kind == 1 ? 1 : groups)));
+    int32_t *sums = g->kind == 2 ? malloc(sizeof(int32_t) * (size_t)(m * groups)) : NULL;
+    if (q && s && (g->kind == 1 || sums)) {
+        if (g->kind == 1)
+            rc = kvl_quantize_rows_i8(x, bf16, q, s, m, K, threads) ||
+                 kvl_int8_gemm(q, s, g->w, g->scale, g->aux, g->bias, bf16, y, m, g->n, K, threads);
+        else
+            rc = kvl_q4_quantize_act(x, bf16, q, s, sums, m, K, threads) ||
+                 kvl_q4_gemm(q, s, sums, g->w, g->scale, g->aux, g->bias, bf16, y, m, g->n, K, threads);
+    }
+    free(q);
+    free(s);
+    free(sums);
+    return rc;
+}
+
 static int gemm(const kvl_gemm_t *g, int elem, const void *x, void *y, int64_t m, int threads) {
+    if (g->kind != 0) return quantised_gemm(g, elem, x, y, m, threads);
     if (elem == ELEM_F32) return kvl_small_gemm_packed(x, g->w, g->bias, y, m, g->n, g->k, threads);
     if (g->blocked) return kvl_small_gemm_bf16_packed(x, g->w, g->bias, y, m, g->n, g->k, threads);
     return kvl_small_gemm_bf16(x, g->w, g->bias, y, m, g->n, g->k, threads);

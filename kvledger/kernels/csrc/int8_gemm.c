@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 int kvl_int8_vnni(void) {

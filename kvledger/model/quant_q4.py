@@ -1,0 +1,144 @@
+"""4-bit weights with 8-bit activations (W4A8; llama.cpp's Q4_0 x Q8_0 arithmetic): the group-wise
+4-bit weights of model/quant_group.py (on-the-fly int4, GGUF Q4_0, GPTQ, AWQ) repacked at load
+into csrc/q4_gemm.c's tiles, multiplied with activations quantised to int8 per group of 32 at each
+product.
+
+Why: on a CPU a decode step streams every weight once; 4 bits a weight is a quarter of bf16's
+traffic, but widening nibbles to floats (group_gemm.c) costs more than the traffic saved. Integer
+u8 x s8 dot products (vpdpbusd) keep up with memory. The price is the activations' rounding to
+int8 per group of 32 (llama.cpp's Q8_0), so this path is taken for bf16 / fp16 models, whose
+activations are rounded anyway; float32 models keep the float-activation kernel, whose products
+are exactly the dequantised weights' (``KVLEDGER_INT4_ACTIVATIONS`` overrides either way).
+``reference_gemm`` is the kernel's arithmetic in torch, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvledger.kernels import native
+from kvledger.ledger.weights import int4_tiles
+from kvledger.model.quant_group import GROUP, GroupWeight, codes
+
+TILE = 16  # output rows per tile
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    q: torch.Tensor  # uint8 [tiles, K / 32, 256]: per group 4 vectors of 16 rows x 4 bytes
+    scale: torch.Tensor  # int16 [tiles, K / 32, 16]: fp16 bits
+    zero: torch.Tensor | None  # uint8 [tiles, K / 32, 16], None: every zero is 8
+    n: int  # output rows (the tiles pad to 16)
+    perm: torch.Tensor | None = None  # as GroupWeight.perm
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.q.shape[1] * GROUP
+
+    def nibbles(self) -> torch.Tensor:
+        """The stored nibbles [n, K] (0..15) in column order."""
+        t, groups, _ = self.q.shape
+        b = self.q.view(t, groups, 4, TILE, 4)  # tile, group, vector, row, byte
+        lo, hi = (b & 0x0F), (b >> 4)
+        cols = torch.stack([lo, hi], dim=2)  # tile, group, half, vector, row, byte
+        return cols.permute(0, 4, 1, 2, 3, 5).reshape(t * TILE, groups * GROUP)[: self.n]
+
+    def zeros(self) -> torch.Tensor:
+        """Zero points [n, K / 32] (int32)."""
+        if self.zero is None:
+            return torch.full((self.n, self.q.shape[1]), 8, dtype=torch.int32)
+        return self.zero.permute(0, 2, 1).reshape(-1, self.q.shape[1])[: self.n].to(torch.int32)
+
+    def scales(self) -> torch.Tensor:
+        """float32 scales [n, K / 32]."""
+        return self.scale.view(torch.float16).permute(0, 2, 1).reshape(-1, self.q.shape[1])[: self.n].float()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        c = (self.nibbles().to(torch.int32).view(n, k // GROUP, GROUP) - self.zeros()[..., None]).float()
+        return (c * self.scales()[..., None]).reshape(n, k).to(dtype)
+
+
+def eligible(w: GroupWeight) -> bool:
+    """4 bits whose scales are fp16 values (GGUF, GPTQ, AWQ and on-the-fly int4 all are)."""
+    return w.bits == 4 and bool(torch.equal(w.scale.half().float(), w.scale))
+
+
+def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
+    """Repack a 4-bit GroupWeight into the kernel's tiles (same codes, scales and zeros)."""
+    if not eligible(w):
+        raise ValueError("W4A8 tiles take 4-bit weights with fp16 scales")
+    n, k = w.shape
+    tiles, groups = -(-n // TILE), k // GROUP
+    zero = 8 if w.zero is None else w.zero.to(torch.int32)
+    nib = (codes(w).view(n, groups, GROUP) + (zero if isinstance(zero, int) else zero[..., None])).to(torch.uint8)
+    full = torch.zeros(tiles * TILE, groups, GROUP, dtype=torch.uint8)
+    full[:n] = nib
+    # tile, row, group, half (lo: columns 0-15, hi: 16-31), vector, byte -> tile, group, vector, row, byte
+    parts = full.view(tiles, TILE, groups, 2, 4, 4)
+    packed = (parts[:, :, :, 0] | (parts[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
+    q = alloc((tiles, groups, 256), dtype=torch.uint8)
+    q.copy_(packed)
+    s = torch.zeros(tiles * TILE, groups, dtype=torch.float16)
+    s[:n] = w.scale.half()
+    scale = s.view(tiles, TILE, groups).permute(0, 2, 1).contiguous().view(torch.int16)
+    zt = None
+    if w.zero is not None:
+        z = torch.full((tiles * TILE, groups), 8, dtype=torch.uint8)
+        z[:n] = w.zero
+        zt = z.view(tiles, TILE, groups).permute(0, 2, 1).contiguous()
+    return Q4Weight(q, scale, zt, n, w.perm)
+
+
+def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference of native.q4_quantize_act: per group of 32, s = max|x| / 127 (1 for zeros),
+    q = round(x / s) half to even clamped to +-127, and the codes' sum."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // GROUP, GROUP)
+    s = g.abs().amax(dim=-1) / 127.0
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round(g / s[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).reshape(m, k), s, q.sum(dim=-1).to(torch.int32)
+
+
+def reference_gemm(x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """csrc/q4_gemm.c's arithmetic in torch (same bits): per group an exact integer dot product
+    less zero x code sum, then acc = acc + d * (weight scale * activation scale), group by group."""
+    m = x.shape[0]
+    n, k = w.shape
+    xq, xs, xsum = quantize_act(x)
+    groups = k // GROUP
+    nib = w.nibbles().to(torch.int64).view(n, groups, GROUP)
+    d = torch.einsum("ngj,mgj->mng", nib, xq.to(torch.int64).view(m, groups, GROUP))
+    d = d - w.zeros().to(torch.int64)[None] * xsum.to(torch.int64)[:, None, :]
+    sw = w.scales()
+    acc = torch.zeros(m, n, dtype=torch.float32)
+    for g in range(groups):
+        acc = acc + d[:, :, g].float() * (sw[None, :, g] * xs[:, None, g])
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
+
+
+def int8_activations(dtype: torch.dtype) -> bool:
+    """Whether a model in ``dtype`` multiplies its 4-bit weights with int8 activations: by default
+    for bf16 / fp16 models, not float32 ones (KVLEDGER_INT4_ACTIVATIONS=int8|float overrides)."""
+    return int4_tiles(dtype.itemsize)
+
+
+def q4_linear(x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Every product, decode or prefill, through the W4A8 kernel: it beats dequantise-then-GEMM
+    at every row count measured (1-256 rows, benchmarks/quant_decode.py's shapes), and a row's
+    result never depends on the batch it is in."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)
+    if native.available(x2):
+        xq, xs, xsum = native.q4_quantize_act(x2)
+        y = native.q4_gemm(xq, xs, xsum, w.q, w.scale, w.zero, w.n, bias, x2.dtype)
+    else:
+        y = reference_gemm(x2, w, bias)
+    return y.view(*shape[:-1], y.shape[-1])
