@@ -177,11 +177,6 @@ class EngineConfig:
             raise ConfigError(f"tp_step_timeout must be > 0 seconds, got {self.tp_step_timeout!r}")
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
-            if self.tensor_parallel_size > 1:
-                raise ConfigError(
-                    f"quantization {self.quantization!r} with tensor_parallel_size > 1 is not supported "
-                    "yet: each rank would scale its own slice of a row differently from one process"
-                )
         self.scheduler.validate()
         self.cache.validate()
 

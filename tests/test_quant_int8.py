@@ -106,8 +106,6 @@ def test_unsupported_quantization_is_refused_with_the_supported_list(stories_pat
 
     with pytest.raises(ConfigError, match="quantization must be one of int8, int4; got 'int3'"):
         LLM(str(stories_path), quantization="int3")
-    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported"):
-        LLM(str(stories_path), quantization="int8", tensor_parallel_size=2)
     out = subprocess.run(
         [sys.executable, "-m", "kvledger", "generate", str(stories_path), "--quantization", "gptq", "--prompt", "x"],
         capture_output=True, text=True, timeout=120,

@@ -305,3 +305,50 @@ def test_a_dead_rank_is_blamed_not_the_peer_that_aborted_after_it():
     msg = str(e.value)
     assert msg.startswith("tensor-parallel rank 1 ") and f"code {-signal.SIGKILL}" in msg, msg
     assert f"rank 0 exited with code {-signal.SIGABRT}" in msg, msg
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_quantisation_on_the_fly_shards_then_quantises(method, tmp_path):
+    """``quantization`` under tp=2: each rank quantises its own float shard (int4's groups of 32
+    fall inside a rank's columns here: 32 of o_proj's 64 and 64 of down_proj's 128), and the
+    tokens are tp=1's. int8 scales each rank's slice of an activation row by its own max (as
+    vLLM's per-token dynamic scales do per rank), so only int4 is the same arithmetic; both
+    give tp=1's greedy tokens on this model."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+    build_hf_model(cfg, tmp_path)
+    tp1 = LLM(str(tmp_path), quantization=method, **ENGINE)
+    tp2 = LLM(str(tmp_path), quantization=method, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert run(tp2) == run(tp1)
+        plain = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
+        try:
+            held = [r["weight_bytes"] for r in tp2.ledger().ranks]
+            assert len(held) == 2 and all(q < f for q, f in zip(held, [r["weight_bytes"] for r in plain.ledger().ranks]))
+        finally:
+            plain.llm_engine.shutdown()
+    finally:
+        tp2.llm_engine.shutdown()
+
+
+def test_quantised_tp_refuses_what_it_cannot_split(tmp_path):
+    """int4 groups that would straddle two ranks, and a checkpoint stored quantised (GPTQ), are
+    refused at start-up with the reason."""
+    from transformers import LlamaConfig
+
+    from tests.test_gptq_awq import write_checkpoint
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2)  # fmt: skip
+    build_hf_model(cfg, tmp_path / "float")  # down_proj: 96 weights a row, 48 per rank
+    with pytest.raises(ConfigError, match="down_proj's rows of 96 weights split into 48 per rank"):
+        LLM(str(tmp_path / "float"), quantization="int4", tensor_parallel_size=2, **ENGINE)
+    cfg.intermediate_size = 128
+    build_hf_model(cfg, tmp_path / "gptq")
+    write_checkpoint(tmp_path / "gptq", "gptq", 32)
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 with a gptq checkpoint is not supported"):
+        LLM(str(tmp_path / "gptq"), tensor_parallel_size=2, **ENGINE)

@@ -1,4 +1,4 @@
-"""This process's place in the tensor-parallel group, and the two collectives the model needs.
+"""This process's place in the tensor-parallel group, and the collectives the model needs.
 
 One group per process (a worker is one rank of one engine); outside a worker the world is one
 rank and every collective is the identity, so the model code calls them unconditionally.
@@ -37,6 +37,18 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     t0 = time.perf_counter()
     dist.all_reduce(x)
+    TP.collective_seconds += time.perf_counter() - t0
+    TP.num_collectives += 1
+    return x
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise max of x over the ranks, in place (a row's absolute max for int8 scales
+    that are one process's: W8A8 row-parallel products, distributed/sharding.py)."""
+    if TP.world_size == 1:
+        return x
+    t0 = time.perf_counter()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
     TP.collective_seconds += time.perf_counter() - t0
     TP.num_collectives += 1
     return x

@@ -27,14 +27,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvledger.distributed.parallel_state import all_gather_last, all_reduce
+from kvledger.distributed.parallel_state import all_gather_last, all_reduce, all_reduce_max
 from kvledger.errors import ConfigError
 from kvledger.hf.config import ModelConfig
+from kvledger.kernels import native
 from kvledger.kernels.gemm_rows import RowInvariance
 from kvledger.ledger.spec import ModelSpec
 from kvledger.model.layers import GatedMLP, Linear
 from kvledger.model.llama import LlamaForCausalLM
+from kvledger.model import quant_int8
 from kvledger.model.moe import SparseMoE
+from kvledger.model.quant_int8 import Int8Weight
+from kvledger.storage import host_memory
 
 
 def check_tensor_parallel(spec: ModelSpec, tp: int, intermediate_size: int | None = None,
@@ -88,10 +92,35 @@ def kv_head_range(rank: int, num_kv_heads: int, tp: int) -> tuple[int, int]:
 
 
 class RowParallelLinear(Linear):
-    """x_r W_r^T summed over ranks: the input is already split by columns (heads, MLP width)."""
+    """x_r W_r^T summed over ranks: the input is already split by columns (heads, MLP width).
+
+    W8A8 (``quantization="int8"``) scales whole rows: each rank's slice of a weight row, and of
+    an activation row, is quantised with the whole row's absolute max (one all-reduce MAX), so
+    the codes are one process's and the int32 sums of the ranks add up to its sums. (W4A8's
+    groups of 32 fall inside a rank's columns, checked when quantising, so they need nothing.)"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.quant, Int8Weight):
+            return all_reduce(self._int8_forward(x))
         return all_reduce(super().forward(x))
+
+    def quantize(self, method: str) -> None:
+        if method != "int8":
+            return super().quantize(method)
+        amax = all_reduce_max(self.weight.data.float().abs().amax(dim=1))
+        self.set_quantized(quant_int8.quantize_weight(self.weight.data, alloc=host_memory.zeros, amax=amax))
+
+    def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        amax = all_reduce_max(x2.float().abs().amax(dim=-1))
+        xq, xs = quant_int8.quantize_rows(x2, amax)
+        w = self.quant
+        if native.available(x2):
+            y = native.int8_gemm(xq, xs, w.q, w.scale, w.wsum, self.bias, x.dtype)
+        else:
+            y = quant_int8.int8_gemm_reference(xq, xs, w, self.bias, x.dtype)
+        return y.view(*shape[:-1], y.shape[-1])
 
 
 class ParallelSparseMoE(SparseMoE):

@@ -177,6 +177,7 @@ def _model_facts(config: EngineConfig, loaded: LoadedModel, device: torch.device
         from kvledger.distributed.sharding import check_tensor_parallel, tp_mlp_widths
 
         check_tensor_parallel(spec, tp, *tp_mlp_widths(mc))
+        _check_tp_quantization(loaded, tp, config.quantization)
         _check_devices(tp, device, config.distributed_executor_backend or "mp")
     # Per rank under tensor parallelism: each rank's pool holds its own KV heads.
     kv_bytes = kv_bytes_per_token(spec, kv_dtype, tp)
@@ -397,3 +398,28 @@ def _mem_available() -> int:
     except OSError:
         pass
     return 8 * _GiB
+
+
+def _check_tp_quantization(loaded, tp: int, quantization: str | None) -> None:
+    """A checkpoint stored quantised (GGUF, GPTQ, AWQ, compressed-tensors INT8) holds packed
+    tensors the sharding does not split yet; FP8 ones are dequantised on load and shard as floats,
+    and ``quantization`` on the fly quantises each rank's float shard, whose int4 groups of 32
+    must not straddle two ranks (o_proj's and down_proj's rows are split by columns)."""
+    from kvledger.hf.config import quantization_method
+
+    method = "gguf" if (loaded.path / "gguf.json").is_file() else quantization_method(loaded.hf_config)
+    if method not in (None, "fp8"):
+        raise ConfigError(
+            f"tensor_parallel_size > 1 with a {method} checkpoint is not supported yet (its packed "
+            "tensors are not split by rank); run it with tensor_parallel_size 1, or load the float "
+            "checkpoint with --quantization int8 / int4, which quantises each rank's shard"
+        )
+    if quantization == "int4":
+        mc = loaded.config
+        for name, k in (("o_proj", mc.num_heads * mc.head_dim), ("down_proj", mc.intermediate_size or 0)):
+            if k % 32 == 0 and (k // tp) % 32:
+                raise ConfigError(
+                    f"quantization int4 with tensor_parallel_size={tp}: {name}'s rows of {k} weights "
+                    f"split into {k // tp} per rank, not whole groups of 32; use a tensor_parallel_size "
+                    f"that keeps {k // 32} groups whole, or quantization int8"
+                )

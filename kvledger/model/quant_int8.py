@@ -60,20 +60,22 @@ def from_codes(codes: torch.Tensor, scale: torch.Tensor, alloc=torch.zeros) -> I
     return Int8Weight(pack(codes, alloc), scale.to(torch.float32).contiguous(), wsum, k)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8: scale = max|x| / 127 (1 for a zero row), codes = round(x / scale)
-    half to even, clamped to +-127."""
+    half to even, clamped to +-127. ``amax``: the rows' absolute max where x is a slice of them
+    (a tensor-parallel rank's columns), so the slice gets the whole row's scale."""
     xf = x.float()
-    s = xf.abs().amax(dim=-1) / 127.0
+    s = (xf.abs().amax(dim=-1) if amax is None else amax.float()) / 127.0
     s = torch.where(s == 0, torch.ones_like(s), s)
     q = torch.round(xf / s[:, None]).clamp(-127, 127).to(torch.int8)
     return q, s
 
 
-def quantize_weight(w: torch.Tensor, alloc=torch.zeros) -> Int8Weight:
+def quantize_weight(w: torch.Tensor, alloc=torch.zeros, amax: torch.Tensor | None = None) -> Int8Weight:
     """Per-output-row W8 codes; ``alloc(shape, dtype=)`` holds them (host_memory.zeros: huge
-    pages, which a decode step streams through with fewer TLB misses, as the float weights)."""
-    q, s = quantize_rows(w.detach())
+    pages, which a decode step streams through with fewer TLB misses, as the float weights);
+    ``amax`` as quantize_rows'."""
+    q, s = quantize_rows(w.detach(), amax)
     return from_codes(q, s, alloc)
 
 

@@ -37,13 +37,15 @@ class Worker:
         sharded = world_size > 1
         self.loaded: LoadedModel = load_model(
             spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
-            pack_linear=not sharded, quantization=spec.quantization,
+            pack_linear=not sharded, quantization=None if sharded else spec.quantization,
         )  # fmt: skip
         model = self.loaded.model
         if sharded:  # shard before packing: the kernels see each rank's own matrices
             from kvledger.distributed.sharding import shard_model
 
             shard_model(model, rank, world_size)
+            if spec.quantization is not None:  # each rank quantises its own float shard
+                model.quantize_layers(spec.quantization)
             if can_pack_linear(self.loaded.dtype, self.device):
                 model.pack_linears()
         if spec.attention_backend == "triton":
