@@ -33,9 +33,9 @@ from kvledger.hf.config import ModelConfig
 from kvledger.kernels import native
 from kvledger.kernels.gemm_rows import RowInvariance
 from kvledger.ledger.spec import ModelSpec
+from kvledger.model import quant_int8
 from kvledger.model.layers import GatedMLP, Linear
 from kvledger.model.llama import LlamaForCausalLM
-from kvledger.model import quant_int8
 from kvledger.model.moe import SparseMoE
 from kvledger.model.quant_int8 import Int8Weight
 from kvledger.storage import host_memory
