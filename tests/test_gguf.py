@@ -134,3 +134,39 @@ def test_bad_gguf_files_are_refused_by_name(stories_path, gguf_cache):
     w.close()
     with pytest.raises(ConfigError, match="architecture 'mamba' is not supported"):
         LLM(str(other), tokenizer=str(stories_path), calibrate_preemption=False)
+
+
+@pytest.mark.parametrize("layer_type", ["Q4_0", "Q8_0"])
+def test_gguf_groups_take_the_int8_activation_kernel_with_the_references_tokens(
+    stories_path, gguf_cache, layer_type, monkeypatch
+):
+    """A bf16 engine holds a GGUF file's Q4_0 / Q8_0 projections as W4A8 / grouped-W8A8 tiles
+    (llama.cpp's Q4_0 x Q8_0 and Q8_0 x Q8_0); in float32 with those kernels forced, the native
+    engine's tokens are the torch reference's (quant_q4.reference_gemm)."""
+    from kvledger import LLM, SamplingParams
+    from kvledger.kernels import native
+    from kvledger.model.quant_q4 import Q4Weight
+
+    path = gguf_cache / "stories.gguf"
+    write_gguf(stories_path, path, layer_type)
+    bits = 4 if layer_type == "Q4_0" else 8
+    bf16 = LLM(str(path), tokenizer=str(stories_path), dtype="bfloat16", calibrate_preemption=False)
+    lin = bf16.engine.executor.worker.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(lin.quant, Q4Weight) and lin.quant.bits == bits
+    ids = bf16.get_tokenizer().encode("Once upon a time")
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    monkeypatch.setenv("KVLEDGER_INT4_ACTIVATIONS", "int8")
+
+    def tokens():
+        llm = LLM(str(path), tokenizer=str(stories_path), calibrate_preemption=False)
+        assert isinstance(llm.engine.executor.worker.model.model.layers[0].self_attn.qkv_proj.quant, Q4Weight)
+        return llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+    fast = tokens()
+    monkeypatch.setenv("KVLEDGER_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert tokens() == fast
+    finally:
+        monkeypatch.delenv("KVLEDGER_NATIVE")
+        native.library.cache_clear()

@@ -17,24 +17,29 @@ from kvledger.model.quant_q4 import Q4Weight, pack, quantize_act, reference_gemm
 needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
 
 
-def _weight(n: int, k: int, seed: int, zeros: bool = False, perm: bool = False) -> GroupWeight:
+def _weight(n: int, k: int, seed: int, zeros: bool = False, perm: bool = False, bits: int = 4) -> GroupWeight:
     g = torch.Generator().manual_seed(seed)
+    if bits == 8:  # GGUF Q8_0's values: any int8 code (-128 too), fp16 scales
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        codes[0, :4] = torch.tensor([127, 127, -128, -128], dtype=torch.int8)
+        return GroupWeight(codes, (torch.rand(n, k // 32, generator=g) * 0.1).half().float(), 8)
     w = quantize_weight(torch.randn(n, k, generator=g))
     zero = torch.randint(0, 16, (n, k // 32), generator=g, dtype=torch.uint8) if zeros else None
     order = torch.randperm(k, generator=g) if perm else None
     return GroupWeight(w.q, w.scale, 4, zero, order)
 
 
-@pytest.mark.parametrize(("n", "k", "zeros"), [(16, 32, False), (37, 96, True), (5, 64, False), (48, 128, True)])
-def test_tiles_hold_the_group_weights_values(n, k, zeros):
-    gw = _weight(n, k, seed=n, zeros=zeros)
+@pytest.mark.parametrize(("n", "k", "zeros", "bits"), [(16, 32, False, 4), (37, 96, True, 4), (5, 64, False, 4),
+                                                       (48, 128, True, 4), (37, 96, False, 8)])
+def test_tiles_hold_the_group_weights_values(n, k, zeros, bits):
+    gw = _weight(n, k, seed=n, zeros=zeros, bits=bits)
     t = pack(gw)
-    assert t.q.shape == (-(-n // 16), k // 32, 256) and t.scale.dtype == torch.int16
+    assert t.q.shape == (-(-n // 16), k // 32, 64 * bits) and t.scale.dtype == torch.int16
     assert torch.equal(t.dequantize(), dequantize(gw))
     if not zeros:
         assert t.zero is None
     # A weight whose scales are not fp16 values has no tiles (it keeps the float-activation path).
-    odd = GroupWeight(gw.q, gw.scale + 1e-6, 4)
+    odd = GroupWeight(gw.q, gw.scale + 1e-6, bits)
     assert not quant_q4.eligible(odd)
     with pytest.raises(ValueError, match="fp16 scales"):
         pack(odd)
@@ -54,22 +59,27 @@ def test_the_reference_is_close_to_the_float_product():
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("m", "n", "k", "zeros", "bias"), [(1, 40, 64, False, False), (5, 33, 96, True, True),
-                                                           (17, 64, 1024, False, True), (3, 16, 32, True, False)])
-def test_native_w4a8_is_the_reference_bit_for_bit(isa, dtype, m, n, k, zeros, bias):
+@pytest.mark.parametrize(("m", "n", "k", "zeros", "bias", "bits"),
+                         [(1, 40, 64, False, False, 4), (5, 33, 96, True, True, 4), (17, 64, 1024, False, True, 4),
+                          (3, 16, 32, True, False, 4), (1, 40, 64, False, False, 8), (6, 33, 96, False, True, 8)])
+def test_native_w4a8_is_the_reference_bit_for_bit(isa, dtype, m, n, k, zeros, bias, bits):
+    """4 bits (W4A8) and 8 bits (GGUF Q8_0 x int8 groups: vpdpbusd on VNNI, the sign trick on
+    the builds without it, whose int16 pairs would otherwise saturate on code -128)."""
     g = torch.Generator().manual_seed(m * 7 + n)
-    w = pack(_weight(n, k, seed=k, zeros=zeros))
+    w = pack(_weight(n, k, seed=k, zeros=zeros, bits=bits))
     x = (torch.randn(m, k, generator=g) * 3).to(dtype)
     x[0, :32] = 0  # a group of zeros: scale 1, codes 0
+    x[-1, :32] = 100.0  # codes 127 against weight codes 127 and -128: the largest pair products
+    x[-1, 2:4] = -100.0
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     xq, xs, xsum = native.q4_quantize_act(x)
     rq, rs, rsum = quantize_act(x)
     assert torch.equal(xq, rq) and torch.equal(xs, rs) and torch.equal(xsum, rsum)
-    y = native.q4_gemm(xq, xs, xsum, w.q, w.scale, w.zero, n, b, dtype)
+    y = native.q4_gemm(xq, xs, xsum, w.q, w.scale, w.zero, n, b, dtype, bits)
     assert torch.equal(y, reference_gemm(x, w, b))
     # One row's result does not depend on the rows beside it.
-    assert torch.equal(native.q4_gemm(xq[-1:], xs[-1:], xsum[-1:], w.q, w.scale, w.zero, n, b, dtype), y[-1:])
-    assert torch.equal(native.q4_dequantize(w.q, w.scale, w.zero, n, dtype), w.dequantize(dtype))
+    assert torch.equal(native.q4_gemm(xq[-1:], xs[-1:], xsum[-1:], w.q, w.scale, w.zero, n, b, dtype, bits), y[-1:])
+    assert torch.equal(native.q4_dequantize(w.q, w.scale, w.zero, n, dtype, bits), w.dequantize(dtype))
 
 
 @needs_native

@@ -102,13 +102,8 @@ class Linear(nn.Module):
 
     def set_quantized(self, w: GroupWeight | Int8Weight) -> None:
         """Hold a quantised weight (made on the fly, or read from a GGUF / GPTQ / AWQ /
-        compressed-tensors checkpoint) instead of a float one. 4-bit weights of a model whose
-        activations are int8 (quant_q4.int8_activations: bf16 / fp16 models by default) are
-        repacked into the W4A8 tiles."""
-        from kvledger.model import quant_q4
-
-        if isinstance(w, GroupWeight) and quant_q4.eligible(w) and quant_q4.int8_activations(self.weight.dtype):
-            w = quant_q4.pack(w, alloc=host_memory.zeros)
+        compressed-tensors checkpoint) instead of a float one (group-wise ones become tiles for
+        int8 activations later: LlamaForCausalLM.tile_group_weights)."""
         self.weight = nn.Parameter(w.q, requires_grad=False)
         self.quant_scale = nn.Parameter(w.scale, requires_grad=False)
         if isinstance(w, Int8Weight):

@@ -310,6 +310,21 @@ class LlamaForCausalLM(nn.Module):
         for name, m in linears:
             if name not in kept and m.quant is None:  # a GGUF file's Q8_0 / Q4_0 stay as they are
                 m.quantize(method)
+        self.tile_group_weights()
+
+    def tile_group_weights(self) -> None:
+        """Group-wise weights (on-the-fly int4, GGUF Q4_0 / Q8_0, GPTQ, AWQ) of a model whose
+        activations are int8 (quant_q4.int8_activations: bf16 / fp16 models by default) repacked
+        into csrc/q4_gemm.c's tiles; run once the weights are loaded (and quantised)."""
+        from kvledger.model import quant_q4
+        from kvledger.model.quant_group import GroupWeight
+        from kvledger.storage import host_memory
+
+        if not quant_q4.int8_activations(self.dtype) or self.model.norm.weight.device.type != "cpu":
+            return  # (the tiles' kernels are CPU ones)
+        for m in self.modules():
+            if isinstance(m, Linear) and isinstance(m.quant, GroupWeight) and quant_q4.eligible(m.quant):
+                m.set_quantized(quant_q4.pack(m.quant, alloc=host_memory.zeros))
 
     def pack_linears(self) -> None:
         """Pack every matmul weight for oneDNN and the native kernel (see Linear.pack); a tied

@@ -315,6 +315,8 @@ def load_model(
         load_weights(model, path, torch_dtype, device, hf_config)
         if quantization is not None:
             model.quantize_layers(quantization)
+        else:
+            model.tile_group_weights()  # a GGUF / GPTQ / AWQ checkpoint's group-wise weights
     model.eval()
     if weights and pack_linear and can_pack_linear(torch_dtype, device):
         model.pack_linears()

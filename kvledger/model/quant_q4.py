@@ -1,7 +1,7 @@
 """4-bit weights with 8-bit activations (W4A8; llama.cpp's Q4_0 x Q8_0 arithmetic): the group-wise
 4-bit weights of model/quant_group.py (on-the-fly int4, GGUF Q4_0, GPTQ, AWQ) repacked at load
 into csrc/q4_gemm.c's tiles, multiplied with activations quantised to int8 per group of 32 at each
-product.
+product. GGUF Q8_0's 8-bit groups take the same path (Q8_0 x Q8_0).
 
 Why: on a CPU a decode step streams every weight once; 4 bits a weight is a quarter of bf16's
 traffic, but widening nibbles to floats (group_gemm.c) costs more than the traffic saved. Integer
@@ -27,28 +27,33 @@ TILE = 16  # output rows per tile
 
 @dataclass(frozen=True)
 class Q4Weight:
-    q: torch.Tensor  # uint8 [tiles, K / 32, 256]: per group 4 vectors of 16 rows x 4 bytes
+    """Group-wise codes in csrc/q4_gemm.c's tiles (4 bits: W4A8; 8 bits, GGUF Q8_0: W8A8 in groups)."""
+
+    q: torch.Tensor  # uint8 [tiles, K / 32, 256 (4 bits) or 512 (8 bits)]: per group 4 or 8 vectors of 16 rows x 4 bytes
     scale: torch.Tensor  # int16 [tiles, K / 32, 16]: fp16 bits
-    zero: torch.Tensor | None  # uint8 [tiles, K / 32, 16], None: every zero is 8
+    zero: torch.Tensor | None  # 4 bits: uint8 [tiles, K / 32, 16], None: every zero is 8 (8 bits: 128)
     n: int  # output rows (the tiles pad to 16)
     perm: torch.Tensor | None = None  # as GroupWeight.perm
+    bits: int = 4
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.n, self.q.shape[1] * GROUP
 
-    def nibbles(self) -> torch.Tensor:
-        """The stored nibbles [n, K] (0..15) in column order."""
+    def stored(self) -> torch.Tensor:
+        """The stored codes [n, K] in column order: nibbles 0..15, or 8-bit codes + 128."""
         t, groups, _ = self.q.shape
-        b = self.q.view(t, groups, 4, TILE, 4)  # tile, group, vector, row, byte
-        lo, hi = (b & 0x0F), (b >> 4)
-        cols = torch.stack([lo, hi], dim=2)  # tile, group, half, vector, row, byte
+        if self.bits == 8:
+            b = self.q.view(t, groups, 8, TILE, 4)  # tile, group, vector, row, byte
+            return b.permute(0, 3, 1, 2, 4).reshape(t * TILE, groups * GROUP)[: self.n]
+        b = self.q.view(t, groups, 4, TILE, 4)
+        cols = torch.stack([b & 0x0F, b >> 4], dim=2)  # tile, group, half, vector, row, byte
         return cols.permute(0, 4, 1, 2, 3, 5).reshape(t * TILE, groups * GROUP)[: self.n]
 
     def zeros(self) -> torch.Tensor:
         """Zero points [n, K / 32] (int32)."""
         if self.zero is None:
-            return torch.full((self.n, self.q.shape[1]), 8, dtype=torch.int32)
+            return torch.full((self.n, self.q.shape[1]), 128 if self.bits == 8 else 8, dtype=torch.int32)
         return self.zero.permute(0, 2, 1).reshape(-1, self.q.shape[1])[: self.n].to(torch.int32)
 
     def scales(self) -> torch.Tensor:
@@ -57,29 +62,34 @@ class Q4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
-        c = (self.nibbles().to(torch.int32).view(n, k // GROUP, GROUP) - self.zeros()[..., None]).float()
+        c = (self.stored().to(torch.int32).view(n, k // GROUP, GROUP) - self.zeros()[..., None]).float()
         return (c * self.scales()[..., None]).reshape(n, k).to(dtype)
 
 
 def eligible(w: GroupWeight) -> bool:
-    """4 bits whose scales are fp16 values (GGUF, GPTQ, AWQ and on-the-fly int4 all are)."""
-    return w.bits == 4 and bool(torch.equal(w.scale.half().float(), w.scale))
+    """Scales that are fp16 values (GGUF, GPTQ, AWQ and on-the-fly int4 all are)."""
+    return bool(torch.equal(w.scale.half().float(), w.scale))
 
 
 def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
-    """Repack a 4-bit GroupWeight into the kernel's tiles (same codes, scales and zeros)."""
+    """Repack a GroupWeight into the kernel's tiles (same codes, scales and zeros)."""
     if not eligible(w):
-        raise ValueError("W4A8 tiles take 4-bit weights with fp16 scales")
+        raise ValueError("W4A8 / W8A8 group tiles take weights with fp16 scales")
     n, k = w.shape
     tiles, groups = -(-n // TILE), k // GROUP
-    zero = 8 if w.zero is None else w.zero.to(torch.int32)
-    nib = (codes(w).view(n, groups, GROUP) + (zero if isinstance(zero, int) else zero[..., None])).to(torch.uint8)
+    if w.bits == 8:
+        stored = (codes(w) + 128).to(torch.uint8).view(n, groups, GROUP)
+    else:
+        zero = 8 if w.zero is None else w.zero.to(torch.int32)[..., None]
+        stored = (codes(w).view(n, groups, GROUP) + zero).to(torch.uint8)
     full = torch.zeros(tiles * TILE, groups, GROUP, dtype=torch.uint8)
-    full[:n] = nib
-    # tile, row, group, half (lo: columns 0-15, hi: 16-31), vector, byte -> tile, group, vector, row, byte
-    parts = full.view(tiles, TILE, groups, 2, 4, 4)
-    packed = (parts[:, :, :, 0] | (parts[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
-    q = alloc((tiles, groups, 256), dtype=torch.uint8)
+    full[:n] = stored
+    if w.bits == 8:  # tile, row, group, vector, byte -> tile, group, vector, row, byte
+        packed = full.view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 512)
+    else:  # tile, row, group, half (lo: columns 0-15, hi: 16-31), vector, byte -> tile, group, vector, row, byte
+        parts = full.view(tiles, TILE, groups, 2, 4, 4)
+        packed = (parts[:, :, :, 0] | (parts[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
+    q = alloc(tuple(packed.shape), dtype=torch.uint8)
     q.copy_(packed)
     s = torch.zeros(tiles * TILE, groups, dtype=torch.float16)
     s[:n] = w.scale.half()
@@ -89,7 +99,7 @@ def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
         z = torch.full((tiles * TILE, groups), 8, dtype=torch.uint8)
         z[:n] = w.zero
         zt = z.view(tiles, TILE, groups).permute(0, 2, 1).contiguous()
-    return Q4Weight(q, scale, zt, n, w.perm)
+    return Q4Weight(q, scale, zt, n, w.perm, w.bits)
 
 
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,7 +120,7 @@ def reference_gemm(x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None) -> t
     n, k = w.shape
     xq, xs, xsum = quantize_act(x)
     groups = k // GROUP
-    nib = w.nibbles().to(torch.int64).view(n, groups, GROUP)
+    nib = w.stored().to(torch.int64).view(n, groups, GROUP)
     d = torch.einsum("ngj,mgj->mng", nib, xq.to(torch.int64).view(m, groups, GROUP))
     d = d - w.zeros().to(torch.int64)[None] * xsum.to(torch.int64)[:, None, :]
     sw = w.scales()
@@ -138,7 +148,7 @@ def q4_linear(x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None) -> torch.
         x2 = x2.index_select(1, w.perm)
     if native.available(x2):
         xq, xs, xsum = native.q4_quantize_act(x2)
-        y = native.q4_gemm(xq, xs, xsum, w.q, w.scale, w.zero, w.n, bias, x2.dtype)
+        y = native.q4_gemm(xq, xs, xsum, w.q, w.scale, w.zero, w.n, bias, x2.dtype, w.bits)
     else:
         y = reference_gemm(x2, w, bias)
     return y.view(*shape[:-1], y.shape[-1])

@@ -22,12 +22,12 @@
 
 /* A weight as native.GemmWeight holds it (kind 0: blocked (packed) or row-major [n, k]), or a
  * quantised one: kind 1 W8A8 (int8_gemm.c's tiles, scale: float32 per row, aux: int32 code sums),
- * kind 2 W4A8 (q4_gemm.c's tiles, scale: fp16 per tile and group, aux: zeros or NULL). */
+ * kind 2 W4A8 / W8A8 in groups (q4_gemm.c's tiles, scale: fp16 per tile and group, aux: zeros or NULL). */
 typedef struct {
     const void *w, *bias; /* bias: NULL or n elements */
     int64_t n, k;
     int64_t blocked;
-    int64_t kind;
+    int64_t kind, bits; /* bits: kind 2's codes, 4 or 8 */
     const void *scale, *aux;
 } kvl_gemm_t;
 
@@ -68,7 +68,7 @@ static int quantised_gemm(const kvl_gemm_t *g, int elem, const void *x, void *y,
                  kvl_int8_gemm(q, s, g->w, g->scale, g->aux, g->bias, bf16, y, m, g->n, K, threads);
         else
             rc = kvl_q4_quantize_act(x, bf16, q, s, sums, m, K, threads) ||
-                 kvl_q4_gemm(q, s, sums, g->w, g->scale, g->aux, g->bias, bf16, y, m, g->n, K, threads);
+                 kvl_q4_gemm(q, s, sums, g->w, (int)g->bits, g->scale, g->aux, g->bias, bf16, y, m, g->n, K, threads);
     }
     free(q);
     free(s);

@@ -1,6 +1,7 @@
-/* W4A8 products: 4-bit group-wise weights (groups of 32 along K, an fp16 scale per group and row,
- * an optional uint8 zero point) times activations quantised to int8 in the same groups of 32
- * (llama.cpp's Q4_0 x Q8_0 arithmetic). Integer dot products per group, float sums across groups.
+/* W4A8 / W8A8 group products: 4-bit or 8-bit group-wise weights (groups of 32 along K, an fp16
+ * scale per group and row; 4 bits may have a uint8 zero point) times activations quantised to int8
+ * in the same groups of 32 (llama.cpp's Q4_0 x Q8_0 and Q8_0 x Q8_0 arithmetic). Integer dot
+ * products per group, float sums across groups.
  *
  * Why: a decode step streams every weight once. Widening nibbles to floats costs three vector
  * operations per 16 weights and made the float-activation kernel (group_gemm.c) compute-bound,
@@ -10,8 +11,9 @@
  * Weight layout (model/quant_q4.py ``pack``, at load): tiles of 16 output rows (rows padded with
  * zero-scale rows); for each group of 32 columns, 4 vectors of 64 bytes: in vector v, row r's
  * 32-bit lane holds columns 4v..4v+3 of the group in its low nibbles and 16+4v..16+4v+3 in its
- * high nibbles (values 0..15, the weight being (nibble - zero) x scale). Scales: fp16, 16 per tile
- * and group; zeros: uint8, 16 per tile and group, or none (every zero 8).
+ * high nibbles (values 0..15, the weight being (nibble - zero) x scale). 8 bits: 8 vectors of 64
+ * bytes, vector v holding columns 4v..4v+3 as code + 128 (the zero is 128). Scales: fp16, 16 per
+ * tile and group; zeros: uint8, 16 per tile and group, or none (every zero 8).
  *
  * Arithmetic per (row m, output n), in this order, no contraction (-std=c11): for each group g,
  *   d = sum_j nibble[n][g*32+j] * xq[m][g*32+j] - zero[n][g] * xsum[m][g]   (int32, exact)
@@ -77,6 +79,14 @@ static inline vq q_dot(vq acc, vq w, vq x) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 }
 #endif
+/* 8-bit codes stored + 128 (u8) times s8 activations without vpdpbusd: vpmaddubsw's int16 pairs
+ * would saturate (255 x 127 x 2), so the signed code's magnitude multiplies the activation with
+ * the code's sign (|code| <= 128, 128 x 127 x 2 fits): the sum is of code x x, no zero taken off. */
+static inline vq q_dot_signed(vq acc, vq w, vq x) {
+    const vq c = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    const vq sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c), _mm512_setzero_si512(), x);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(c), sx), _mm512_set1_epi16(1)));
+}
 static inline vq q_zeros(const uint8_t *z, int h) {
     (void)h;
     return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)z));
@@ -96,6 +106,11 @@ static inline vq q_zero(void) { return _mm256_setzero_si256(); }
 static inline vq q_dot(vq acc, vq w, vq x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
+static inline vq q_dot_signed(vq acc, vq w, vq x) { /* as the AVX-512 one, with vpsignb */
+    const vq c = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c)),
+                                                   _mm256_set1_epi16(1)));
+}
 static inline vq q_zeros(const uint8_t *z, int h) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(z + 8 * h)));
 }
@@ -104,27 +119,46 @@ static inline vq q_sub(vq d, int32_t s) { return _mm256_sub_epi32(d, _mm256_set1
 static inline vf q_tofloat(vq d) { return _mm256_cvtepi32_ps(d); }
 #endif
 
+#if defined(KVL_AVX512VNNI)
+#define SIGNED8 0 /* vpdpbusd takes the stored u8 codes; 128 x the code sum is taken off */
+#else
+#define SIGNED8 1
+#endif
+
 /* acc[m][h] for rows m0..m0+MM-1 of the tile at wt: every group, in order. */
 static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, const float *xs, const int32_t *xsum,
                                                              int64_t K, const uint8_t *wt, const uint16_t *ws,
-                                                             const uint8_t *wz, const int MM, vf acc[4][NH]) {
+                                                             const uint8_t *wz, const int BITS, const int MM,
+                                                             vf acc[4][NH]) {
     const int64_t groups = K / G;
     for (int m = 0; m < MM; m++)
         for (int h = 0; h < NH; h++) acc[m][h] = vzero();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *wg = wt + g * (TR * G / 2);
+        const uint8_t *wg = wt + g * (TR * G * BITS / 8);
         for (int h = 0; h < NH; h++) {
             vq d[4];
             for (int m = 0; m < MM; m++) d[m] = q_zero();
-            for (int v = 0; v < 4; v++) {
-                const vq w = q_load(wg + 64 * v, h), lo = q_lo(w), hi = q_hi(w);
-                for (int m = 0; m < MM; m++) {
-                    const int8_t *xg = xq + m * K + g * G + 4 * v;
-                    d[m] = q_dot(q_dot(d[m], lo, q_bcast(xg)), hi, q_bcast(xg + 16));
+            if (BITS == 4) {
+                for (int v = 0; v < 4; v++) {
+                    const vq w = q_load(wg + 64 * v, h), lo = q_lo(w), hi = q_hi(w);
+                    for (int m = 0; m < MM; m++) {
+                        const int8_t *xg = xq + m * K + g * G + 4 * v;
+                        d[m] = q_dot(q_dot(d[m], lo, q_bcast(xg)), hi, q_bcast(xg + 16));
+                    }
+                }
+            } else { /* 8 vectors of 16 rows x 4 columns, codes + 128 */
+                for (int v = 0; v < 8; v++) {
+                    const vq w = q_load(wg + 64 * v, h);
+                    for (int m = 0; m < MM; m++)
+                        d[m] = SIGNED8 ? q_dot_signed(d[m], w, q_bcast(xq + m * K + g * G + 4 * v))
+                                       : q_dot(d[m], w, q_bcast(xq + m * K + g * G + 4 * v));
                 }
             }
             const vf sw = vload_f16(ws + g * TR + h * VW);
-            if (wz) {
+            if (BITS == 8) {
+                if (!SIGNED8)
+                    for (int m = 0; m < MM; m++) d[m] = q_sub(d[m], 128 * xsum[m * groups + g]);
+            } else if (wz) {
                 const vq z = q_zeros(wz + g * TR, h);
                 for (int m = 0; m < MM; m++) d[m] = q_sub_mul(d[m], z, xsum[m * groups + g]);
             } else { /* every zero 8: one broadcast subtraction */
@@ -136,14 +170,14 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, co
     }
 }
 
-int kvl_q4_gemm(const int8_t *xq, const float *xs, const int32_t *xsum, const uint8_t *wq, const uint16_t *ws,
-                const uint8_t *wz, const void *bias, int bf16, void *y, int64_t M, int64_t N, int64_t K,
-                int num_threads) {
-    if (M < 1 || N < 1 || K < G || K % G != 0 || num_threads < 1) return -1;
+int kvl_q4_gemm(const int8_t *xq, const float *xs, const int32_t *xsum, const uint8_t *wq, int bits,
+                const uint16_t *ws, const uint8_t *wz, const void *bias, int bf16, void *y, int64_t M, int64_t N,
+                int64_t K, int num_threads) {
+    if (M < 1 || N < 1 || K < G || K % G != 0 || num_threads < 1 || (bits != 4 && bits != 8)) return -1;
     const int64_t tiles = (N + TR - 1) / TR, groups = K / G;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *wt = wq + t * groups * (TR * G / 2);
+        const uint8_t *wt = wq + t * groups * (TR * G * bits / 8);
         const uint16_t *st = ws + t * groups * TR;
         const uint8_t *zt = wz ? wz + t * groups * TR : NULL;
         const int nn = N - t * TR < TR ? (int)(N - t * TR) : TR;
@@ -153,12 +187,19 @@ int kvl_q4_gemm(const int8_t *xq, const float *xs, const int32_t *xsum, const ui
             const int8_t *xb = xq + m0 * K;
             const float *sb = xs + m0 * groups;
             const int32_t *ub = xsum + m0 * groups;
-            if (mm == 4) /* constant row counts: the accumulators stay in registers */
-                tile_rows(xb, sb, ub, K, wt, st, zt, 4, acc);
+            /* constant arguments: the accumulators stay in registers, one loop each */
+            if (bits == 4 && mm == 4)
+                tile_rows(xb, sb, ub, K, wt, st, zt, 4, 4, acc);
+            else if (bits == 4 && mm == 1)
+                tile_rows(xb, sb, ub, K, wt, st, zt, 4, 1, acc);
+            else if (bits == 4)
+                tile_rows(xb, sb, ub, K, wt, st, zt, 4, mm, acc);
+            else if (mm == 4)
+                tile_rows(xb, sb, ub, K, wt, st, NULL, 8, 4, acc);
             else if (mm == 1)
-                tile_rows(xb, sb, ub, K, wt, st, zt, 1, acc);
+                tile_rows(xb, sb, ub, K, wt, st, NULL, 8, 1, acc);
             else
-                tile_rows(xb, sb, ub, K, wt, st, zt, mm, acc);
+                tile_rows(xb, sb, ub, K, wt, st, NULL, 8, mm, acc);
             for (int i = 0; i < mm; i++) {
                 float out[TR];
                 for (int h = 0; h < NH; h++) vstore(out + h * VW, acc[i][h]);
@@ -177,24 +218,27 @@ int kvl_q4_gemm(const int8_t *xq, const float *xs, const int32_t *xsum, const ui
     return 0;
 }
 
-/* The [N, K] weight the tiles stand for: (nibble - zero) x scale, rounded to bf16 when asked
- * (prefill's products dequantise once and run the float GEMM). */
-int kvl_q4_dequantize(const uint8_t *wq, const uint16_t *ws, const uint8_t *wz, void *out, int bf16, int64_t N,
-                      int64_t K, int num_threads) {
-    if (N < 1 || K < G || K % G != 0 || num_threads < 1) return -1;
+/* The [N, K] weight the tiles stand for: (code - zero) x scale, rounded to bf16 when asked. */
+int kvl_q4_dequantize(const uint8_t *wq, int bits, const uint16_t *ws, const uint8_t *wz, void *out, int bf16,
+                      int64_t N, int64_t K, int num_threads) {
+    if (N < 1 || K < G || K % G != 0 || num_threads < 1 || (bits != 4 && bits != 8)) return -1;
     const int64_t groups = K / G;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int64_t t = n / TR, r = n % TR;
         for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *wg = wq + (t * groups + g) * (TR * G / 2);
+            const uint8_t *wg = wq + (t * groups + g) * (TR * G * bits / 8);
             const float s = _cvtsh_ss(ws[(t * groups + g) * TR + r]);
-            const int z = wz ? wz[(t * groups + g) * TR + r] : 8;
+            const int z = bits == 8 ? 128 : (wz ? wz[(t * groups + g) * TR + r] : 8);
             for (int j = 0; j < G; j++) {
-                const int v = (j % 16) / 4, b = j % 4;
-                const uint8_t byte = wg[64 * v + 4 * r + b];
-                const int nib = j < 16 ? (byte & 0x0F) : (byte >> 4);
-                const float val = (float)(nib - z) * s;
+                int code;
+                if (bits == 8) {
+                    code = wg[64 * (j / 4) + 4 * r + j % 4];
+                } else {
+                    const uint8_t byte = wg[64 * ((j % 16) / 4) + 4 * r + j % 4];
+                    code = j < 16 ? (byte & 0x0F) : (byte >> 4);
+                }
+                const float val = (float)(code - z) * s;
                 const int64_t i = n * K + g * G + j;
                 if (bf16)
                     ((uint16_t *)out)[i] = f32_to_bf16(val);
