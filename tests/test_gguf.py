@@ -21,6 +21,17 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def random_q4_k(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """Q4_K blocks of random content (gguf-py cannot quantise to Q4_K; any bytes with finite d and
+    dmin are a valid block): [rows, K / 256 x 144] bytes, the weights ~ +-0.1."""
+    rng = np.random.default_rng(seed + shape[0] * 7 + shape[1])
+    rows, blocks = shape[0], shape[1] // 256
+    raw = rng.integers(0, 256, size=(rows, blocks, 144), dtype=np.uint8)
+    raw[..., 0:2] = (rng.uniform(0.5, 1, (rows, blocks, 1)) * 4e-4).astype(np.float16).view(np.uint8)
+    raw[..., 2:4] = (rng.uniform(0.5, 1, (rows, blocks, 1)) * 2e-3).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, blocks * 144)
+
+
 def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0") -> dict[str, np.ndarray]:
     """stories260k as a GGUF file; returns every tensor as gguf-py dequantises it, in HF layout
     and names (the oracle's weights)."""
@@ -52,13 +63,13 @@ def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0") 
         else:
             i, rest = hf.split(".")[2], ".".join(hf.split(".")[3:-1])
             name = f"blk.{i}.{layer[rest]}.weight"
-            kind = layer_type if t.ndim == 2 and t.shape[1] % 32 == 0 else "F32"
+            kind = layer_type if t.ndim == 2 and t.shape[1] % (256 if layer_type == "Q4_K" else 32) == 0 else "F32"
             if rest == "self_attn.q_proj":
                 t = _permute(t, heads)
             elif rest == "self_attn.k_proj":
                 t = _permute(t, kv)
         qt = gguf.GGMLQuantizationType[kind]
-        data = t if kind == "F32" else gguf.quants.quantize(t, qt)
+        data = t if kind == "F32" else random_q4_k(t.shape) if kind == "Q4_K" else gguf.quants.quantize(t, qt)
         w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qt)
         back = t if kind == "F32" else gguf.quants.dequantize(data, qt).reshape(t.shape)
         if name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -167,6 +178,55 @@ def test_gguf_groups_take_the_int8_activation_kernel_with_the_references_tokens(
     native.library.cache_clear()
     try:
         assert tokens() == fast
+    finally:
+        monkeypatch.delenv("KVLEDGER_NATIVE")
+        native.library.cache_clear()
+
+
+def test_a_q4_k_file_runs_natively_with_its_exact_values(tmp_path, stories_path, gguf_cache, monkeypatch):
+    """Q4_K layer projections (a random-weight Llama whose rows are whole 256-weight blocks):
+    float32 runs the dequantised weights as transformers runs them; a bf16 engine holds them as
+    tiles whose values are gguf-py's dequantisation exactly (nibble x d x sc - dmin x m); and
+    the native kernel's tokens are the torch reference's."""
+    from test_engine_exact import hf_greedy
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvledger import LLM, SamplingParams
+    from kvledger.kernels import native
+    from kvledger.model.quant_q4 import Q4Weight
+    from tests.model_factory import build_hf_model
+
+    src = tmp_path / "src"
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+    build_hf_model(cfg, src)
+    path = gguf_cache / "k.gguf"
+    oracle = write_gguf(src, path, "Q4_K", embed_type="F32")
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.from_numpy(oracle[name]).reshape(p.shape))
+    ids = [1, 45, 300, 7, 99, 12, 410]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def tokens(**kw):
+        llm = LLM(str(path), tokenizer=str(stories_path), calibrate_preemption=False, **kw)
+        return llm, llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+    _, plain = tokens()
+    assert plain == hf_greedy(hf, ids, 16)
+    bf16, _ = tokens(dtype="bfloat16")
+    qkv = bf16.engine.executor.worker.model.model.layers[0].self_attn.qkv_proj.quant
+    assert isinstance(qkv, Q4Weight) and qkv.mins is not None
+    want = torch.cat([torch.from_numpy(oracle[f"model.layers.0.self_attn.{p}_proj.weight"]) for p in "qkv"])
+    assert torch.equal(qkv.dequantize(), want)
+    monkeypatch.setenv("KVLEDGER_INT4_ACTIVATIONS", "int8")
+    _, fast = tokens()
+    monkeypatch.setenv("KVLEDGER_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert tokens()[1] == fast
     finally:
         monkeypatch.delenv("KVLEDGER_NATIVE")
         native.library.cache_clear()

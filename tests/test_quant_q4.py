@@ -144,3 +144,24 @@ def test_native_and_reference_w4a8_engines_give_the_same_tokens(stories_path, mo
         monkeypatch.delenv("KVLEDGER_NATIVE")
         native.library.cache_clear()
     assert fast == ref
+
+
+@needs_native
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 64), (6, 33, 256)])
+def test_native_q4_k_is_the_reference_bit_for_bit(isa, m, n, k):
+    """GGUF Q4_K's groups (nibble x scale - min, float32 scales and mins) in the tiles."""
+    from kvledger.model.quant_q4 import pack_k
+
+    g = torch.Generator().manual_seed(n)
+    nib = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.01
+    mins = torch.rand(n, k // 32, generator=g) * 0.05
+    w = pack_k(nib, scale, mins)
+    want = (nib.float().view(n, k // 32, 32) * scale[..., None] - mins[..., None]).view(n, k)
+    assert torch.equal(w.dequantize(), want)
+    assert torch.equal(native.q4_dequantize(w.q, w.scale, None, n, torch.float32, 4, w.mins), want)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    xq, xs, xsum = native.q4_quantize_act(x)
+    y = native.q4_gemm(xq, xs, xsum, w.q, w.scale, None, n, None, torch.bfloat16, 4, w.mins)
+    assert torch.equal(y, reference_gemm(x, w, None))
+    assert (y.float() - F.linear(x.float(), want)).norm() / F.linear(x.float(), want).norm() < 0.02

@@ -33,6 +33,8 @@ logger = logging.getLogger("kvledger")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 KEPT = ("Q8_0", "Q4_0")  # layer projections held in these formats as they are
+# held as they are where the model multiplies int8 activations (model/quant_q4.py), else dequantised
+KEPT_INT8_ACTIVATIONS = ("Q4_K",)
 FLOAT = ("F32", "F16", "BF16")
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -248,6 +250,26 @@ class GGUFWeights:
         codes, scale = rows[:, : codes.shape[1]], rows[:, codes.shape[1] :].copy().view(np.float32)
         q = torch.from_numpy(np.ascontiguousarray(codes))
         return (q.view(torch.int8) if kind == "Q8_0" else q), torch.from_numpy(np.ascontiguousarray(scale)), 8 if kind == "Q8_0" else 4
+
+    def k_quant(self, hf: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A Q4_K projection as (nibbles uint8 [N, K] 0..15, float32 scales d x sc and mins
+        dmin x m [N, K / 32]), rows in the HF order: its weights are nibble x scale - min, as
+        llama.cpp's dequantisation computes them in float32."""
+        import gguf
+        import torch
+
+        t = self.tensors[self.gguf_name(hf)]
+        k, n = (int(d) for d in t.shape)
+        raw = np.asarray(t.data, dtype=np.uint8).reshape(n * (k // 256), 144)
+        d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16].copy())
+        scale = (d * sc.astype(np.float32)).reshape(n, k // 32)
+        mins = (dmin * m.astype(np.float32)).reshape(n, k // 32)
+        qs = raw[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        nib = (qs & np.uint8(0x0F)).reshape(n, k)
+        out = [self._rows(hf, a) for a in (nib, scale, mins)]
+        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in out)  # type: ignore[return-value]
 
     def close(self) -> None:
         self.reader = None

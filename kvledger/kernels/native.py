@@ -564,11 +564,12 @@ def q4_quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 def q4_gemm(
     xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
     wz: torch.Tensor | None, n: int, bias: torch.Tensor | None, out_dtype: torch.dtype, bits: int = 4,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W4A8 / grouped W8A8 (csrc/q4_gemm.c): q4_quantize_act's (codes, scales, sums) times a
     weight in model/quant_q4.py's tiles (codes ``wq`` of ``bits``, fp16 scales ``ws`` as int16,
-    4-bit zeros ``wz`` or None) of ``n`` output rows, in out_dtype (float32 or bfloat16; bias of
-    that dtype)."""
+    4-bit zeros ``wz`` or None; Q4_K: float32 scales and ``mins``) of ``n`` output rows, in out_dtype
+    (float32 or bfloat16; bias of that dtype)."""
     m, k = xq.shape
     tiles = -(-n // 16)
     if tuple(wq.shape) != (tiles, k // 32, 64 * bits) or tuple(ws.shape) != (tiles, k // 32, 16):
@@ -577,7 +578,8 @@ def q4_gemm(
     _check(
         library().kvl_q4_gemm(
             xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), wq.data_ptr(), bits, ws.data_ptr(),
-            None if wz is None else wz.data_ptr(), None if bias is None else bias.data_ptr(),
+            None if wz is None else wz.data_ptr(), None if mins is None else mins.data_ptr(),
+            None if bias is None else bias.data_ptr(),
             int(out_dtype == torch.bfloat16), y.data_ptr(), m, n, k, torch.get_num_threads(),
         ),
         "q4_gemm",
@@ -586,12 +588,13 @@ def q4_gemm(
 
 
 def q4_dequantize(
-    wq: torch.Tensor, ws: torch.Tensor, wz: torch.Tensor | None, n: int, dtype: torch.dtype, bits: int = 4
+    wq: torch.Tensor, ws: torch.Tensor, wz: torch.Tensor | None, n: int, dtype: torch.dtype, bits: int = 4,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The [n, K] weight tiled group codes stand for ((code - zero) x scale, rounded to dtype)."""
     k = wq.shape[1] * 32
     out = torch.empty(-(-n // 16) * 16, k, dtype=dtype)
     _check(library().kvl_q4_dequantize(wq.data_ptr(), bits, ws.data_ptr(), None if wz is None else wz.data_ptr(),
-                                       out.data_ptr(), int(dtype == torch.bfloat16), out.shape[0], k,
+                                       None if mins is None else mins.data_ptr(), out.data_ptr(), int(dtype == torch.bfloat16), out.shape[0], k,
                                        torch.get_num_threads()), "q4_dequantize")
     return out[:n]

@@ -38,7 +38,7 @@ from kvledger.storage.kv_cache import PagedKVCache
 class _Gemm(Structure):
     _fields_ = [
         ("w", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("blocked", c_int64),
-        ("kind", c_int64), ("bits", c_int64), ("scale", c_void_p), ("aux", c_void_p),
+        ("kind", c_int64), ("bits", c_int64), ("scale", c_void_p), ("aux", c_void_p), ("mins", c_void_p),
     ]  # fmt: skip
 
 
@@ -78,7 +78,8 @@ def _gemm(lin: Linear) -> _Gemm:
         return _Gemm(w.q.data_ptr(), bias, w.scale.shape[0], w.k, 0, 1, 8, w.scale.data_ptr(), w.wsum.data_ptr())
     if isinstance(w, Q4Weight):
         zero = None if w.zero is None else w.zero.data_ptr()
-        return _Gemm(w.q.data_ptr(), bias, w.n, w.shape[1], 0, 2, w.bits, w.scale.data_ptr(), zero)
+        mins = None if w.mins is None else w.mins.data_ptr()
+        return _Gemm(w.q.data_ptr(), bias, w.n, w.shape[1], 0, 2, w.bits, w.scale.data_ptr(), zero, mins)
     s = lin.small
     return _Gemm(s.data.data_ptr(), bias, s.n, s.k, int(s.blocked), 0, 0, None, None)
 

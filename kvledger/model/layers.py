@@ -100,18 +100,25 @@ class Linear(nn.Module):
         else:
             raise ValueError(f"unknown quantization {method!r}")
 
-    def set_quantized(self, w: GroupWeight | Int8Weight) -> None:
+    def set_quantized(self, w: GroupWeight | Int8Weight | Q4Weight) -> None:
         """Hold a quantised weight (made on the fly, or read from a GGUF / GPTQ / AWQ /
         compressed-tensors checkpoint) instead of a float one (group-wise ones become tiles for
-        int8 activations later: LlamaForCausalLM.tile_group_weights)."""
+        int8 activations later: LlamaForCausalLM.tile_group_weights). Its tensors are the
+        module's parameters (and only they: a previous format's go), so the ledger counts what is
+        held."""
+        for name in ("quant_scale", "quant_wsum", "quant_zero", "quant_perm", "quant_mins"):
+            self._parameters.pop(name, None)
         self.weight = nn.Parameter(w.q, requires_grad=False)
-        self.quant_scale = nn.Parameter(w.scale, requires_grad=False)
+        extra = {"quant_scale": w.scale}
         if isinstance(w, Int8Weight):
-            self.quant_wsum = nn.Parameter(w.wsum, requires_grad=False)
-        elif w.zero is not None:
-            self.quant_zero = nn.Parameter(w.zero, requires_grad=False)
-        if not isinstance(w, Int8Weight) and w.perm is not None:
-            self.quant_perm = nn.Parameter(w.perm, requires_grad=False)
+            extra["quant_wsum"] = w.wsum
+        else:
+            extra.update(quant_zero=w.zero, quant_perm=w.perm)
+            if isinstance(w, Q4Weight):
+                extra["quant_mins"] = w.mins
+        for name, t in extra.items():
+            if t is not None:
+                self.register_parameter(name, nn.Parameter(t, requires_grad=False))
         self.quant = w
 
     def _native_takes(self, x: torch.Tensor) -> bool:

@@ -225,7 +225,8 @@ def _load_gguf(
     """Fill the model from the GGUF file a cache folder names (hf/gguf_file.py): Q8_0 / Q4_0
     layer projections become group-wise weights as they are (every piece of a fused projection
     of one such type), everything else floats in ``dtype``."""
-    from kvledger.hf.gguf_file import FLOAT, KEPT, GGUFWeights
+    from kvledger.hf.gguf_file import FLOAT, KEPT, KEPT_INT8_ACTIVATIONS, GGUFWeights
+    from kvledger.model import quant_q4
     from kvledger.model.layers import Linear
     from kvledger.model.quant_group import GroupWeight
     from kvledger.storage import host_memory
@@ -239,12 +240,21 @@ def _load_gguf(
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and ".layers." in f".{n}"}
     shapes = {name: param.shape for name, param in model.named_parameters()}
     state: dict[str, torch.Tensor] = {}
-    grouped: dict[str, GroupWeight] = {}
+    grouped: dict[str, GroupWeight | quant_q4.Q4Weight] = {}
     dequantised: set[str] = set()
+    k_tiles = device.type == "cpu" and quant_q4.int8_activations(dtype)
     for name, pieces in sources.items():
         owner, _, leaf = name.rpartition(".")
         kinds = {src.type_of(hf) for hf, _, _ in pieces}
         shape = shapes[name]
+        if leaf == "weight" and owner in linears and len(kinds) == 1 and kinds <= set(KEPT_INT8_ACTIVATIONS) and k_tiles:
+            parts = [src.k_quant(hf) for hf, _, _ in pieces]
+            nib = torch.cat([p[0] for p in parts])
+            if nib.shape != tuple(shape):
+                raise ConfigError(f"GGUF tensor {src.gguf_name(pieces[0][0])} does not match the shape config.json implies {tuple(shape)}")
+            grouped[owner] = quant_q4.pack_k(nib, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]),
+                                             alloc=host_memory.zeros)
+            continue
         if leaf == "weight" and owner in linears and len(kinds) == 1 and kinds <= set(KEPT) and device.type == "cpu":
             parts = [src.group(hf) for hf, _, _ in pieces]
             codes = torch.cat([c for c, _, _ in parts])
@@ -272,7 +282,8 @@ def _load_gguf(
         import logging
 
         logging.getLogger("kvledger").warning(
-            "%s: tensors of type %s are held dequantised in %s (kvledger runs Q8_0 and Q4_0 as they are)",
+            "%s: tensors of type %s are held dequantised in %s (kvledger runs Q8_0 and Q4_0 as they are, "
+            "and Q4_K in bf16 / fp16 models)",
             src.path.name, ", ".join(sorted(dequantised)), str(dtype).removeprefix("torch."),
         )  # fmt: skip
 

@@ -35,6 +35,9 @@ class Q4Weight:
     n: int  # output rows (the tiles pad to 16)
     perm: torch.Tensor | None = None  # as GroupWeight.perm
     bits: int = 4
+    # GGUF Q4_K: float32 [tiles, K / 32, 16] mins, the weight nibble x scale - min (scale then
+    # float32 [tiles, K / 32, 16] too, no zero points)
+    mins: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,13 +59,23 @@ class Q4Weight:
             return torch.full((self.n, self.q.shape[1]), 128 if self.bits == 8 else 8, dtype=torch.int32)
         return self.zero.permute(0, 2, 1).reshape(-1, self.q.shape[1])[: self.n].to(torch.int32)
 
+    def _per_row(self, t: torch.Tensor) -> torch.Tensor:
+        return t.permute(0, 2, 1).reshape(-1, self.q.shape[1])[: self.n]
+
     def scales(self) -> torch.Tensor:
         """float32 scales [n, K / 32]."""
-        return self.scale.view(torch.float16).permute(0, 2, 1).reshape(-1, self.q.shape[1])[: self.n].float()
+        return self._per_row(self.scale if self.mins is not None else self.scale.view(torch.float16)).float()
+
+    def min_values(self) -> torch.Tensor:
+        """Q4_K's float32 mins [n, K / 32]."""
+        return self._per_row(self.mins)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
-        c = (self.stored().to(torch.int32).view(n, k // GROUP, GROUP) - self.zeros()[..., None]).float()
+        c = self.stored().to(torch.int32).view(n, k // GROUP, GROUP)
+        if self.mins is not None:  # llama.cpp's d x q - m, in float32
+            return (c.float() * self.scales()[..., None] - self.min_values()[..., None]).reshape(n, k).to(dtype)
+        c = (c - self.zeros()[..., None]).float()
         return (c * self.scales()[..., None]).reshape(n, k).to(dtype)
 
 
@@ -102,6 +115,28 @@ def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
     return Q4Weight(q, scale, zt, n, w.perm, w.bits)
 
 
+def _tile_rows(t: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """[n, K / 32] per-row values as [tiles, K / 32, 16] (padding rows ``fill``)."""
+    tiles = -(-n // TILE)
+    full = torch.full((tiles * TILE, t.shape[1]), fill, dtype=t.dtype)
+    full[:n] = t
+    return full.view(tiles, TILE, t.shape[1]).permute(0, 2, 1).contiguous()
+
+
+def pack_k(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, alloc=torch.zeros) -> Q4Weight:
+    """GGUF Q4_K's values (nibbles [N, K] 0..15, float32 scales d x sc and mins dmin x m [N, K / 32])
+    in the kernel's tiles."""
+    n, k = nibbles.shape
+    gw = GroupWeight(torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, k // GROUP), 4, nibbles.new_zeros(n, k // GROUP))
+    w = pack(gw, alloc)  # the layout; the nibbles go in next
+    tiles, groups = w.q.shape[:2]
+    full = torch.zeros(tiles * TILE, groups, GROUP, dtype=torch.uint8)
+    full[:n] = nibbles.view(n, groups, GROUP)
+    parts = full.view(tiles, TILE, groups, 2, 4, 4)
+    w.q.copy_((parts[:, :, :, 0] | (parts[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256))
+    return Q4Weight(w.q, _tile_rows(scale.float(), n), None, n, None, 4, _tile_rows(mins.float(), n))
+
+
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference of native.q4_quantize_act: per group of 32, s = max|x| / 127 (1 for zeros),
     q = round(x / s) half to even clamped to +-127, and the codes' sum."""
@@ -122,11 +157,18 @@ def reference_gemm(x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None) -> t
     groups = k // GROUP
     nib = w.stored().to(torch.int64).view(n, groups, GROUP)
     d = torch.einsum("ngj,mgj->mng", nib, xq.to(torch.int64).view(m, groups, GROUP))
-    d = d - w.zeros().to(torch.int64)[None] * xsum.to(torch.int64)[:, None, :]
     sw = w.scales()
     acc = torch.zeros(m, n, dtype=torch.float32)
-    for g in range(groups):
-        acc = acc + d[:, :, g].float() * (sw[None, :, g] * xs[:, None, g])
+    if w.mins is not None:
+        mn = w.min_values()
+        for g in range(groups):
+            sx = xs[:, None, g]
+            t1 = d[:, :, g].float() * (sw[None, :, g] * sx)
+            acc = acc + (t1 - mn[None, :, g] * (xsum[:, None, g].float() * sx))
+    else:
+        d = d - w.zeros().to(torch.int64)[None] * xsum.to(torch.int64)[:, None, :]
+        for g in range(groups):
+            acc = acc + d[:, :, g].float() * (sw[None, :, g] * xs[:, None, g])
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(x.dtype)
@@ -148,7 +190,7 @@ def q4_linear(x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None) -> torch.
         x2 = x2.index_select(1, w.perm)
     if native.available(x2):
         xq, xs, xsum = native.q4_quantize_act(x2)
-        y = native.q4_gemm(xq, xs, xsum, w.q, w.scale, w.zero, w.n, bias, x2.dtype, w.bits)
+        y = native.q4_gemm(xq, xs, xsum, w.q, w.scale, w.zero, w.n, bias, x2.dtype, w.bits, w.mins)
     else:
         y = reference_gemm(x2, w, bias)
     return y.view(*shape[:-1], y.shape[-1])

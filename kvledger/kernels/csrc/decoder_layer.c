@@ -29,6 +29,7 @@ typedef struct {
     int64_t blocked;
     int64_t kind, bits; /* bits: kind 2's codes, 4 or 8 */
     const void *scale, *aux;
+    const float *mins; /* kind 2: Q4_K's mins, or NULL */
 } kvl_gemm_t;
 
 typedef struct {
@@ -68,7 +69,8 @@ static int quantised_gemm(const kvl_gemm_t *g, int elem, const void *x, void *y,
                  kvl_int8_gemm(q, s, g->w, g->scale, g->aux, g->bias, bf16, y, m, g->n, K, threads);
         else
             rc = kvl_q4_quantize_act(x, bf16, q, s, sums, m, K, threads) ||
-                 kvl_q4_gemm(q, s, sums, g->w, (int)g->bits, g->scale, g->aux, g->bias, bf16, y, m, g->n, K, threads);
+                 kvl_q4_gemm(q, s, sums, g->w, (int)g->bits, g->scale, g->aux, g->mins, g->bias, bf16, y, m, g->n, K,
+                             threads);
     }
     free(q);
     free(s);

@@ -13,7 +13,10 @@
  * 32-bit lane holds columns 4v..4v+3 of the group in its low nibbles and 16+4v..16+4v+3 in its
  * high nibbles (values 0..15, the weight being (nibble - zero) x scale). 8 bits: 8 vectors of 64
  * bytes, vector v holding columns 4v..4v+3 as code + 128 (the zero is 128). Scales: fp16, 16 per
- * tile and group; zeros: uint8, 16 per tile and group, or none (every zero 8).
+ * tile and group; zeros: uint8, 16 per tile and group, or none (every zero 8). GGUF Q4_K's groups
+ * (``mins``): float32 scales and mins, 16 of each per tile and group, the weight nibble x scale -
+ * min (llama.cpp's d x sc and dmin x m, exact in float32), and then per group
+ *   acc = acc + ((float)d * (scale[n][g] * xs[m][g]) - min[n][g] * ((float)xsum[m][g] * xs[m][g])).
  *
  * Arithmetic per (row m, output n), in this order, no contraction (-std=c11): for each group g,
  *   d = sum_j nibble[n][g*32+j] * xq[m][g*32+j] - zero[n][g] * xsum[m][g]   (int32, exact)
@@ -127,9 +130,9 @@ static inline vf q_tofloat(vq d) { return _mm256_cvtepi32_ps(d); }
 
 /* acc[m][h] for rows m0..m0+MM-1 of the tile at wt: every group, in order. */
 static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, const float *xs, const int32_t *xsum,
-                                                             int64_t K, const uint8_t *wt, const uint16_t *ws,
-                                                             const uint8_t *wz, const int BITS, const int MM,
-                                                             vf acc[4][NH]) {
+                                                             int64_t K, const uint8_t *wt, const void *ws,
+                                                             const uint8_t *wz, const float *wm, const int BITS,
+                                                             const int MM, vf acc[4][NH]) {
     const int64_t groups = K / G;
     for (int m = 0; m < MM; m++)
         for (int h = 0; h < NH; h++) acc[m][h] = vzero();
@@ -154,7 +157,17 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, co
                                        : q_dot(d[m], w, q_bcast(xq + m * K + g * G + 4 * v));
                 }
             }
-            const vf sw = vload_f16(ws + g * TR + h * VW);
+            if (BITS == 4 && wm) { /* Q4_K: w = nibble x scale - min, float32 scales and mins */
+                const vf sw = vload((const float *)ws + g * TR + h * VW), mn = vload(wm + g * TR + h * VW);
+                for (int m = 0; m < MM; m++) {
+                    const vf sx = vset1(xs[m * groups + g]);
+                    const vf t1 = vmul(q_tofloat(d[m]), vmul(sw, sx));
+                    const vf t2 = vmul(mn, vmul(vset1((float)xsum[m * groups + g]), sx));
+                    acc[m][h] = vadd(acc[m][h], vsub(t1, t2));
+                }
+                continue;
+            }
+            const vf sw = vload_f16((const uint16_t *)ws + g * TR + h * VW);
             if (BITS == 8) {
                 if (!SIGNED8)
                     for (int m = 0; m < MM; m++) d[m] = q_sub(d[m], 128 * xsum[m * groups + g]);
@@ -171,15 +184,18 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, co
 }
 
 int kvl_q4_gemm(const int8_t *xq, const float *xs, const int32_t *xsum, const uint8_t *wq, int bits,
-                const uint16_t *ws, const uint8_t *wz, const void *bias, int bf16, void *y, int64_t M, int64_t N,
-                int64_t K, int num_threads) {
+                const void *ws, const uint8_t *wz, const float *wm, const void *bias, int bf16, void *y, int64_t M,
+                int64_t N, int64_t K, int num_threads) {
     if (M < 1 || N < 1 || K < G || K % G != 0 || num_threads < 1 || (bits != 4 && bits != 8)) return -1;
+    if (wm && (bits != 4 || wz)) return -1;
     const int64_t tiles = (N + TR - 1) / TR, groups = K / G;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *wt = wq + t * groups * (TR * G * bits / 8);
-        const uint16_t *st = ws + t * groups * TR;
+        const void *st = wm ? (const void *)((const float *)ws + t * groups * TR)
+                            : (const void *)((const uint16_t *)ws + t * groups * TR);
         const uint8_t *zt = wz ? wz + t * groups * TR : NULL;
+        const float *mt = wm ? wm + t * groups * TR : NULL;
         const int nn = N - t * TR < TR ? (int)(N - t * TR) : TR;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int mm = M - m0 < 4 ? (int)(M - m0) : 4;
@@ -189,17 +205,17 @@ int kvl_q4_gemm(const int8_t *xq, const float *xs, const int32_t *xsum, const ui
             const int32_t *ub = xsum + m0 * groups;
             /* constant arguments: the accumulators stay in registers, one loop each */
             if (bits == 4 && mm == 4)
-                tile_rows(xb, sb, ub, K, wt, st, zt, 4, 4, acc);
+                tile_rows(xb, sb, ub, K, wt, st, zt, mt, 4, 4, acc);
             else if (bits == 4 && mm == 1)
-                tile_rows(xb, sb, ub, K, wt, st, zt, 4, 1, acc);
+                tile_rows(xb, sb, ub, K, wt, st, zt, mt, 4, 1, acc);
             else if (bits == 4)
-                tile_rows(xb, sb, ub, K, wt, st, zt, 4, mm, acc);
+                tile_rows(xb, sb, ub, K, wt, st, zt, mt, 4, mm, acc);
             else if (mm == 4)
-                tile_rows(xb, sb, ub, K, wt, st, NULL, 8, 4, acc);
+                tile_rows(xb, sb, ub, K, wt, st, NULL, NULL, 8, 4, acc);
             else if (mm == 1)
-                tile_rows(xb, sb, ub, K, wt, st, NULL, 8, 1, acc);
+                tile_rows(xb, sb, ub, K, wt, st, NULL, NULL, 8, 1, acc);
             else
-                tile_rows(xb, sb, ub, K, wt, st, NULL, 8, mm, acc);
+                tile_rows(xb, sb, ub, K, wt, st, NULL, NULL, 8, mm, acc);
             for (int i = 0; i < mm; i++) {
                 float out[TR];
                 for (int h = 0; h < NH; h++) vstore(out + h * VW, acc[i][h]);
@@ -219,8 +235,8 @@ int kvl_q4_gemm(const int8_t *xq, const float *xs, const int32_t *xsum, const ui
 }
 
 /* The [N, K] weight the tiles stand for: (code - zero) x scale, rounded to bf16 when asked. */
-int kvl_q4_dequantize(const uint8_t *wq, int bits, const uint16_t *ws, const uint8_t *wz, void *out, int bf16,
-                      int64_t N, int64_t K, int num_threads) {
+int kvl_q4_dequantize(const uint8_t *wq, int bits, const void *ws, const uint8_t *wz, const float *wm, void *out,
+                      int bf16, int64_t N, int64_t K, int num_threads) {
     if (N < 1 || K < G || K % G != 0 || num_threads < 1 || (bits != 4 && bits != 8)) return -1;
     const int64_t groups = K / G;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -228,7 +244,8 @@ int kvl_q4_dequantize(const uint8_t *wq, int bits, const uint16_t *ws, const uin
         const int64_t t = n / TR, r = n % TR;
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *wg = wq + (t * groups + g) * (TR * G * bits / 8);
-            const float s = _cvtsh_ss(ws[(t * groups + g) * TR + r]);
+            const int64_t at = (t * groups + g) * TR + r;
+            const float s = wm ? ((const float *)ws)[at] : _cvtsh_ss(((const uint16_t *)ws)[at]);
             const int z = bits == 8 ? 128 : (wz ? wz[(t * groups + g) * TR + r] : 8);
             for (int j = 0; j < G; j++) {
                 int code;
@@ -238,7 +255,7 @@ int kvl_q4_dequantize(const uint8_t *wq, int bits, const uint16_t *ws, const uin
                     const uint8_t byte = wg[64 * ((j % 16) / 4) + 4 * r + j % 4];
                     code = j < 16 ? (byte & 0x0F) : (byte >> 4);
                 }
-                const float val = (float)(code - z) * s;
+                const float val = wm ? (float)code * s - wm[at] : (float)(code - z) * s;
                 const int64_t i = n * K + g * G + j;
                 if (bf16)
                     ((uint16_t *)out)[i] = f32_to_bf16(val);
