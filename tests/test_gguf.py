@@ -5,6 +5,7 @@ weights gguf-py dequantises from the same file."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -230,3 +231,38 @@ def test_a_q4_k_file_runs_natively_with_its_exact_values(tmp_path, stories_path,
     finally:
         monkeypatch.delenv("KVLEDGER_NATIVE")
         native.library.cache_clear()
+
+
+@pytest.mark.parametrize(("layer_type", "dtype"), [("Q4_0", "float32"), ("Q8_0", "bfloat16"), ("Q4_K", "bfloat16"),
+                                                   ("Q4_K", "float32")])
+def test_plan_counts_a_gguf_files_weights_as_the_engine_holds_them(tmp_path, stories_path, gguf_cache, layer_type, dtype):
+    """`kvledger plan --model file.gguf` gives the weight bytes the live engine reports, to the
+    byte: projections kept as group-wise weights or tiles, the rest in the model dtype."""
+    import json
+    import subprocess
+    import sys
+
+    from kvledger import LLM
+
+    src = stories_path
+    if layer_type == "Q4_K":  # rows of whole 256-weight blocks
+        from transformers import LlamaConfig
+
+        from tests.model_factory import build_hf_model
+
+        src = tmp_path / "src"
+        build_hf_model(LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=1, eos_token_id=2), src)  # fmt: skip
+    path = gguf_cache / "m.gguf"
+    write_gguf(src, path, layer_type)
+    env = {**os.environ, "KVLEDGER_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvledger", "plan", "--model", str(path), "--dtype", dtype, "--device-memory", "64MiB",
+         "--memory-fraction", "1", "--json"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    planned = json.loads(out.stdout)["weight_bytes"]
+    live = LLM(str(path), tokenizer=str(stories_path), dtype=dtype, calibrate_preemption=False)
+    assert planned == live.engine.executor.worker.ready.weight_bytes

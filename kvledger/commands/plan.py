@@ -26,7 +26,8 @@ from kvledger.ledger.accounting import (
     plan_capacity,
 )
 from kvledger.ledger.spec import DTYPE_BYTES, ModelSpec, load_model_spec
-from kvledger.ledger.weights import quantized_weight_bytes
+from kvledger.hf.gguf_file import find_gguf, gguf_folder
+from kvledger.ledger.weights import gguf_weight_bytes, quantized_weight_bytes
 from kvledger.model.default import DEFAULT_MODEL_NAME, resolve_named_model
 
 AUTO_TP_CANDIDATES = (1, 2, 4, 8)
@@ -203,7 +204,11 @@ def heads_comparison(
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = load_model_spec(resolve_named_model(args.model) if args.model == DEFAULT_MODEL_NAME else args.model)
+    model = resolve_named_model(args.model) if args.model == DEFAULT_MODEL_NAME else args.model
+    gguf_file = find_gguf(model) if Path(model).exists() else None
+    if gguf_file is not None:  # a llama.cpp file: its config from the metadata (hf/gguf_file.py)
+        model = str(gguf_folder(gguf_file, tokenizer="unused"))
+    spec = load_model_spec(model)
     if getattr(args, "dtype", "auto") not in ("auto", spec.dtype):
         # The checkpoint's bytes were counted in its dtype: every tensor is converted on load.
         held = None if spec.weight_bytes is None else spec.weight_bytes // spec.dtype_bytes * DTYPE_BYTES[args.dtype]
@@ -217,6 +222,11 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} must be positive, got {value}")
     base_kw = dict(kw)
+    if gguf_file is not None:
+        if args.quantization:
+            raise ConfigError("--quantization applies to float checkpoints; a GGUF file is quantised already")
+        if kw["weights"] is None:
+            kw["weights"] = gguf_weight_bytes(str(gguf_file), spec.dtype_bytes)
     if args.quantization:
         total, source = _model_weight_bytes(spec, kw["weights"])
         kw["weights"] = quantized_weight_bytes(spec, args.quantization, total)

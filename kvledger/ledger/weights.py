@@ -68,3 +68,58 @@ def quantized_weight_bytes(spec: ModelSpec, method: str, total_bytes: int) -> in
     if spec.num_layers * sum(r * k for r, k in layer_projections(spec)) * spec.dtype_bytes > total_bytes:
         raise ConfigError(f"{spec.name}: its layer projections alone exceed the weight size given")
     return total_bytes - spec.num_layers * saved
+
+
+# The decoder-layer projections the engine holds fused, by their GGUF tensor names (a fused one is
+# kept quantised only where all its pieces share one type, as the loader does).
+_GGUF_FUSED = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+
+
+def _gguf_held(kind: str, rows: int, k: int, dtype_bytes: int) -> int | None:
+    """Bytes a [rows, k] projection of GGUF type ``kind`` is held in (model/quant_group.py's
+    group-wise weights, or model/quant_q4.py's tiles where activations are int8), or None where
+    the loader dequantises it into the model dtype."""
+    tiles = int4_tiles(dtype_bytes)
+    padded = -(-rows // 16) * 16
+    if kind in ("Q4_0", "Q8_0"):
+        bits = 4 if kind == "Q4_0" else 8
+        if tiles:
+            return padded * k * bits // 8 + padded * (k // 32) * 2
+        return rows * k * bits // 8 + rows * (k // 32) * 4
+    if kind == "Q4_K" and tiles:
+        return padded * k // 2 + padded * (k // 32) * 8
+    return None
+
+
+def gguf_weight_bytes(path: str, dtype_bytes: int) -> int:
+    """The weight bytes the engine holds for a GGUF file on CPU: every tensor in the model dtype,
+    but the layer projections kept in their format (`kvledger plan --model file.gguf`)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read GGUF file {path}: {e}") from None
+    tensors = {t.name: (t.tensor_type.name, [int(d) for d in t.shape]) for t in reader.tensors}
+    total = sum(n * dtype_bytes for name, (_, shape) in tensors.items()
+                if name != "rope_freqs.weight" for n in [_numel(shape)])  # fmt: skip
+    layers = {name.split(".")[1] for name in tensors if name.startswith("blk.")}
+    for i in layers:
+        for parts in _GGUF_FUSED:
+            names = [f"blk.{i}.{p}.weight" for p in parts]
+            if not all(n in tensors for n in names):
+                continue
+            kinds = {tensors[n][0] for n in names}
+            k = tensors[names[0]][1][0]  # GGUF lists the fastest dimension (a row's length) first
+            rows = sum(tensors[n][1][1] for n in names)
+            held = _gguf_held(kinds.pop(), rows, k, dtype_bytes) if len(kinds) == 1 else None
+            if held is not None:
+                total -= rows * k * dtype_bytes - held
+    return total
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
