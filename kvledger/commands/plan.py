@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.errors import ConfigError
+from kvledger.hf.gguf_file import find_gguf, gguf_folder
 from kvledger.ledger.accounting import (
     KV_DTYPE_BYTES,
     CapacityPlan,
@@ -26,7 +27,6 @@ from kvledger.ledger.accounting import (
     plan_capacity,
 )
 from kvledger.ledger.spec import DTYPE_BYTES, ModelSpec, load_model_spec
-from kvledger.hf.gguf_file import find_gguf, gguf_folder
 from kvledger.ledger.weights import gguf_weight_bytes, quantized_weight_bytes
 from kvledger.model.default import DEFAULT_MODEL_NAME, resolve_named_model
 
