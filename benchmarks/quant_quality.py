@@ -1,7 +1,8 @@
 """Perplexity of quantised weights against the float model, on held-out text (issue 42).
 
 stories260k (a real trained TinyStories Llama; the tests never score these texts) in float32, and
-with its layer weights in W8A8 (``quantization="int8"``) and 4-bit groups (``"int4"``), each
+with its layer weights in W8A8 (``quantization="int8"``) and 4-bit groups (``"int4"``, with float
+activations and as W4A8 with int8 activations per group of 32), and in bf16 (plain and W4A8), each
 scoring the same stories by their prompt log-probabilities (one forward pass each, the engine's
 own logits): perplexity = exp(mean negative log-likelihood of every token after the first).
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from benchmarks.common import print_header
 
@@ -57,12 +59,19 @@ def main() -> None:
     print_header("perplexity: quantised weights vs float32, held-out stories")
     path = resolve_named_model(args.model)
     base = None
-    for q in (None, "int8", "int4"):
-        llm = LLM(path, dtype="float32", quantization=q, calibrate_preemption=False)
+    # (label, dtype, quantization, KVLEDGER_INT4_ACTIVATIONS): int4 with float activations (float32's
+    # default), and W4A8 (int8 activations per group of 32: the default for bf16 models) in both dtypes.
+    arms = [("float32", "float32", None, "auto"), ("int8", "float32", "int8", "auto"),
+            ("int4", "float32", "int4", "float"), ("int4 W4A8", "float32", "int4", "int8"),
+            ("bfloat16", "bfloat16", None, "auto"), ("bf16 int4 W4A8", "bfloat16", "int4", "auto")]  # fmt: skip
+    for label, dtype, q, acts in arms:
+        os.environ["KVLEDGER_INT4_ACTIVATIONS"] = acts
+        llm = LLM(path, dtype=dtype, quantization=q, calibrate_preemption=False)
         ppl = perplexity(llm, llm.get_tokenizer())
         base = base or ppl
         held = llm.engine.executor.worker.ready.weight_bytes
-        print(f"{q or 'float32':>8}: perplexity {ppl:8.4f} ({ppl / base - 1:+.2%} vs float32), weights {held:,} B")
+        print(f"{label:>14}: perplexity {ppl:8.4f} ({ppl / base - 1:+.2%} vs float32), weights {held:,} B")
+    os.environ.pop("KVLEDGER_INT4_ACTIVATIONS")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvledger")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Bumped when the folder's contents change meaning (2: vocab_size is the embedding's rows), so an
+# older kvledger's cached folder is not read as this one's.
+FOLDER_VERSION = 2
 KEPT = ("Q8_0", "Q4_0")  # layer projections held in these formats as they are
 # held as they are where the model multiplies int8 activations (model/quant_q4.py), else dequantised
 KEPT_INT8_ACTIVATIONS = ("Q4_K",)
@@ -99,7 +102,9 @@ def hf_config(reader, path: Path) -> dict[str, Any]:
     heads = int(need("attention.head_count"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    vocab = len(tokens) if tokens else int(embd.shape[1]) if embd is not None else int(need("vocab_size"))
+    # The embedding's rows, as HF's vocab_size (a tokenizer may hold fewer tokens than the model's
+    # vocabulary, e.g. padded to a multiple for speed); else the metadata's count, else the tokens.
+    vocab = int(embd.shape[1]) if embd is not None else len(tokens) if tokens else int(need("vocab_size"))
     cfg: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
@@ -134,7 +139,7 @@ def gguf_folder(path: Path, tokenizer: str | None = None) -> Path:
     from kvledger import envs
 
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    key = hashlib.sha256(f"{FOLDER_VERSION}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
     folder = envs.KVLEDGER_CACHE_DIR / "gguf" / key
     if (folder / "gguf.json").is_file() and (tokenizer or (folder / "tokenizer.json").is_file()):
         return folder
