@@ -65,6 +65,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=4,
         intermediate_size=1792,
     ),
+    # The same depth and width with stories260k's 512-token vocabulary (llama.cpp needs the
+    # tokenizer's vocabulary to be the embedding's: benchmarks/vs_llamacpp.py) and a wider MLP,
+    # so the layers alone hold ~225M parameters.
+    "bench-230m-v512": dict(
+        num_hidden_layers=20,
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=2816,
+        vocab_size=512,
+    ),
     # 6 x 384, GQA 6/2, head_dim 64: 31.36M params (issue 3 asks for 20-50M).
     "bench-30m": dict(
         num_hidden_layers=6,
@@ -121,8 +132,9 @@ def build_random_llama(path: str | Path, preset: str = "bench-60m", seed: int = 
     if meta_file.exists() and json.loads(meta_file.read_text()).get("spec") == meta:
         return path
 
+    shape = dict(PRESETS[preset])
     cfg = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=shape.pop("vocab_size", VOCAB_SIZE),
         max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -132,7 +144,7 @@ def build_random_llama(path: str | Path, preset: str = "bench-60m", seed: int = 
         eos_token_id=2,
         pad_token_id=0,
         initializer_range=0.02,
-        **PRESETS[preset],
+        **shape,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.float32).eval()
@@ -140,7 +152,7 @@ def build_random_llama(path: str | Path, preset: str = "bench-60m", seed: int = 
     path.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(str(path), safe_serialization=True)
-    build_trivial_tokenizer(path)
+    build_trivial_tokenizer(path, cfg.vocab_size)
     meta_file.write_text(json.dumps({"spec": meta, "num_params": n_params}, indent=2))
     return path
 

@@ -65,6 +65,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a folder (or hub id) whose tokenizer to use instead of the model's own (vLLM's "
+        "--tokenizer; e.g. beside a GGUF file)",
+    )
+    g.add_argument(
         "--revision", default=None, help="hub model revision: branch, tag or commit (default: main)"
     )
     g.add_argument(
@@ -149,6 +155,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw["pooler_config"] = json.loads(args.pooler_config)
         except json.JSONDecodeError as e:
             raise SystemExit(f"--pooler-config is not JSON: {e}") from None
+    if args.tokenizer is not None:
+        kw["tokenizer"] = args.tokenizer
     if args.revision is not None:
         kw["revision"] = args.revision
     if args.download_dir is not None:

@@ -1,0 +1,99 @@
+"""Perplexity of the same GGUF files in kvledger and in llama.cpp's ``llama-perplexity`` (issue 42).
+
+stories260k converted by llama.cpp's ``convert_hf_to_gguf.py`` (F32), then ``llama-quantize``d
+to Q8_0 and Q4_0 (cached in bench_out/gguf/stories260k/). The text: quant_quality.py's held-out
+stories (never used by the tests), repeated to 8 chunks. Both engines score it with
+llama-perplexity's protocol: the text tokenized once with BOS, cut into chunks of ``--ctx``
+tokens, each chunk's first token replaced by BOS, and only the second half of each chunk scored
+(every position from ctx/2 on predicts its next token); perplexity = exp(mean NLL).
+
+- llama.cpp: ``llama-perplexity -m FILE -f TEXT -c CTX -b CTX -t 1`` ("Final estimate: PPL");
+- kvledger: ``LLM(FILE)`` (float32 activations) with ``prompt_logprobs``, chunk by chunk.
+
+    python -m benchmarks.ppl_vs_llamacpp [--ctx 128] [--formats F32,Q8_0,Q4_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.common import REPO_ROOT, print_header
+from benchmarks.quant_quality import STORIES as TEXTS
+from benchmarks.vs_llamacpp import STORIES, llamacpp_dir
+
+
+def files(formats: list[str], tools: Path) -> dict[str, Path]:
+    out = REPO_ROOT / "bench_out" / "gguf" / "stories260k"
+    out.mkdir(parents=True, exist_ok=True)
+    f32 = out / "model.F32.gguf"
+    if not f32.exists():
+        subprocess.run([sys.executable, str(tools / "src" / "convert_hf_to_gguf.py"), str(STORIES), "--outtype", "f32",
+                        "--outfile", str(f32)], check=True, capture_output=True)  # fmt: skip
+    made = {}
+    for fmt in formats:
+        f = out / f"model.{fmt}.gguf"
+        if not f.exists():
+            subprocess.run([str(tools / "bin" / "llama-quantize"), str(f32), str(f), fmt], check=True,
+                           capture_output=True)  # fmt: skip
+        made[fmt] = f
+    return made
+
+
+def llamacpp_ppl(tools: Path, f: Path, text: Path, ctx: int) -> tuple[float, int]:
+    out = subprocess.run([str(tools / "bin" / "llama-perplexity"), "-m", str(f), "-f", str(text), "-c", str(ctx),
+                          "-b", str(ctx), "-t", "1"], capture_output=True, text=True)  # fmt: skip
+    log = out.stdout + out.stderr
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
+    if out.returncode != 0 or not m:
+        raise RuntimeError(f"llama-perplexity failed on {f.name}:\n{log[-2000:]}")
+    return float(m.group(1)), int(chunks.group(1)) if chunks else -1
+
+
+def kvledger_ppl(f: Path, text: str, ctx: int) -> tuple[float, int]:
+    from kvledger import LLM, SamplingParams
+
+    llm = LLM(str(f), tokenizer=str(STORIES), dtype="float32", calibrate_preemption=False,
+              enable_prefix_caching=False)  # fmt: skip
+    tok = llm.get_tokenizer()
+    ids = tok.encode(text)  # with BOS, as llama-perplexity tokenizes
+    bos = ids[0]
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    nll, n, chunks = 0.0, 0, len(ids) // ctx
+    for c in range(chunks):
+        chunk = [bos, *ids[c * ctx + 1 : (c + 1) * ctx]]
+        out = llm.generate([{"prompt_token_ids": chunk}], sp, use_tqdm=False)[0]
+        for pos in range(ctx // 2, ctx):  # logits at pos-1 predict chunk[pos]
+            nll -= out.prompt_logprobs[pos][chunk[pos]].logprob
+            n += 1
+    return math.exp(nll / n), chunks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--formats", default="F32,Q8_0,Q4_0")
+    a = ap.parse_args()
+    tools = llamacpp_dir()
+    print_header(f"perplexity on the same GGUF files: llama-perplexity vs kvledger (stories260k, ctx {a.ctx})")
+    text = " ".join(TEXTS)
+    while len(text) < 8 * a.ctx * 4:  # ~4 characters a token: at least 8 chunks
+        text = text + " " + " ".join(TEXTS)
+    path = REPO_ROOT / "bench_out" / "gguf" / "stories260k" / "heldout.txt"
+    made = files([x for x in a.formats.split(",") if x != "F32"], tools)
+    made = {"F32": path.parent / "model.F32.gguf", **made} if "F32" in a.formats.split(",") else made
+    path.write_text(text)
+    print(f"{'format':6} | llama.cpp PPL (chunks) | kvledger PPL (chunks) | kvledger / llama.cpp")
+    for fmt, f in made.items():
+        ref, rc = llamacpp_ppl(tools, f, path, a.ctx)
+        got, gc = kvledger_ppl(f, text, a.ctx)
+        print(f"{fmt:6} | {ref:13.4f} ({rc:3d})    | {got:12.4f} ({gc:3d})    | {got / ref:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
