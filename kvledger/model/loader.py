@@ -126,6 +126,10 @@ def load_weights(
         return _load_gguf(model, path, dtype, device, hf_config or {})
     reader = CheckpointReader(path, hf_config)
     sources = _sources(model)
+    if "model.embed_tokens.weight" not in reader and "embed_tokens.weight" in reader:
+        # A bare decoder saved on its own (transformers' LlamaModel / Qwen3Model: embedders)
+        # names its tensors without the "model." prefix.
+        sources = {n: [(hf.removeprefix("model."), r, k) for hf, r, k in p] for n, p in sources.items()}
     if reader.quantization in ("gptq", "awq"):
         _load_packed_int4(model, reader, sources, quantization_config(hf_config or {}))
     elif reader.quantization == "w8a8-int8":
