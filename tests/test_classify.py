@@ -232,3 +232,15 @@ def test_a_pooling_request_preempted_by_recompute_is_right(three_labels, tmp_pat
     assert out.metrics.num_preemptions == 1
     assert torch.allclose(torch.tensor(out.outputs.data), want, atol=1e-5)
     assert eng.ledger().used_blocks == 0
+
+
+def test_tensor_parallel_classifies_as_one_device(three_labels):
+    """TP=2: rank 0 applies the score head to the gathered last row (the other computes)."""
+    path, hf = three_labels
+    llm = _llm(path, tensor_parallel_size=2)
+    try:
+        outs = llm.classify(_ids(PROMPTS[1:3]), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for o, p in zip(outs, PROMPTS[1:3]):
+        assert torch.allclose(torch.tensor(o.outputs.probs), _logits(hf, p).softmax(-1), atol=1e-5)

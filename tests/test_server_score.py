@@ -183,3 +183,11 @@ def test_a_generate_server_refuses_the_pooling_routes_by_name(tmp_path):
             assert f"The model does not support {api} API" in msg and "--runner pooling" in msg, msg
     finally:
         srv.stop()
+
+
+def test_pooling_routes_count_in_vllm_metrics(server):
+    key = "vllm:request_success_total{engine=0,finished_reason=stop}"
+    before = server.metrics().get(key, 0)
+    assert _post(server, "/rerank", {"query": QUERY, "documents": DOCS[:3]}).status_code == 200
+    assert _post(server, "/classify", {"input": DOCS[:2]}).status_code == 200
+    assert server.metrics()[key] == before + 5  # one pooling request per pair / input
