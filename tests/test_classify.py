@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from model_factory import build_hf_bare_decoder, build_hf_classifier, tiny_config
+from model_factory import build_hf_bare_decoder, build_hf_classifier, build_hf_model, tiny_config
 from transformers import AutoTokenizer, LlamaConfig
 
 from kvledger.errors import ConfigError, InvalidRequestError
@@ -244,3 +244,36 @@ def test_tensor_parallel_classifies_as_one_device(three_labels):
         llm.llm_engine.shutdown()
     for o, p in zip(outs, PROMPTS[1:3]):
         assert torch.allclose(torch.tensor(o.outputs.probs), _logits(hf, p).softmax(-1), atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["from_2_way_softmax", "no_post_processing"])
+def test_reranker_head_from_lm_head_tokens(tmp_path, method):
+    """vLLM's hf_overrides for rerankers shipped as causal LMs (Qwen3-Reranker: the next
+    token's "yes" against "no"): the score head is built from the LM head's rows at load.
+    stories260k's 512-token vocabulary has no "yes"/"no", so "▁and" / "▁the" stand in."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False)  # fmt: skip
+    hf = build_hf_model(cfg, tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(STORIES / f, tmp_path / f)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    no, yes = tok.convert_tokens_to_ids(["▁and", "▁the"])
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"]}
+    if method == "from_2_way_softmax":
+        overrides |= {"classifier_from_token": ["▁and", "▁the"], "is_original_qwen3_reranker": True}
+    else:
+        overrides |= {"classifier_from_token": ["▁the"], "method": "no_post_processing"}
+    llm = _llm(tmp_path, hf_overrides=overrides)  # runner auto: the overridden architecture pools
+    query, docs = "Where did Tom play?", ["Tom played in the park.", "Lily baked a cake."]
+    outs = llm.score(query, docs, use_tqdm=False)
+    for o, d in zip(outs, docs):
+        with torch.no_grad():
+            lg = hf(torch.tensor([tok(query, text_pair=d).input_ids])).logits[0, -1]
+        want = lg[[no, yes]].softmax(-1)[1] if method == "from_2_way_softmax" else lg[yes].sigmoid()
+        assert abs(o.outputs.score - want.item()) < 1e-5
+    with pytest.raises(ConfigError, match="'no' is not a token"):
+        _llm(tmp_path, hf_overrides={**overrides, "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True})

@@ -32,6 +32,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--pooler-config", default=None,
         help='pooling over the folder\'s: JSON with pooling_type (LAST | MEAN | CLS) and normalize, e.g. \'{"pooling_type": "MEAN"}\'',
     )  # fmt: skip
+    g.add_argument(
+        "--hf-overrides", default=None,
+        help="JSON laid over the folder's config.json (vLLM's), e.g. Qwen3-Reranker's "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true}\'',
+    )  # fmt: skip
     g.add_argument("--kv-sink-tokens", type=int, default=4)
     g.add_argument("--kv-recent-tokens", type=int, default=0)
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped blocks")
@@ -149,6 +155,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw["pooler_config"] = json.loads(args.pooler_config)
         except json.JSONDecodeError as e:
             raise SystemExit(f"--pooler-config is not JSON: {e}") from None
+    if args.hf_overrides is not None:
+        import json
+
+        try:
+            kw["hf_overrides"] = json.loads(args.hf_overrides)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--hf-overrides is not JSON: {e}") from None
     if args.revision is not None:
         kw["revision"] = args.revision
     if args.download_dir is not None:

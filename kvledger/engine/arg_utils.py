@@ -37,7 +37,7 @@ _TASK_RUNNER = {
 }  # fmt: skip
 
 
-def _auto_runner(model: str) -> str:
+def _auto_runner(model: str, hf_overrides: dict | None) -> str:
     """vLLM's runner="auto": a classification or bare-decoder checkpoint (config.json's
     architecture) pools; everything else generates."""
     from pathlib import Path
@@ -47,7 +47,7 @@ def _auto_runner(model: str) -> str:
     config = Path(model) / "config.json"
     if not config.is_file():
         return "generate"
-    return "generate" if model_head(read_json(config)) == "lm" else "pooling"
+    return "generate" if model_head({**read_json(config), **(hf_overrides or {})}) == "lm" else "pooling"
 
 
 def _task_to_runner(kwargs: dict) -> None:
@@ -98,7 +98,7 @@ def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
         logger.warning("enforce_eager has no effect on the CPU: CUDA graphs are captured on CUDA only")
     _task_to_runner(kwargs)
     if kwargs.get("runner", "auto") == "auto":
-        kwargs["runner"] = _auto_runner(model)
+        kwargs["runner"] = _auto_runner(model, kwargs.get("hf_overrides"))
     if "max_num_batched_tokens" not in kwargs and "max_model_len" in kwargs:
         kwargs["max_num_batched_tokens"] = max(2048, kwargs["max_model_len"])
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED}

@@ -116,9 +116,32 @@ def model_head(cfg: dict[str, Any]) -> str:
     return _split_head(str(archs[0]))[1] if archs else "lm"
 
 
+SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def seq_cls_method(cfg: dict[str, Any]) -> str | None:
+    """How a head is built from LM-head rows (vLLM's ``classifier_from_token`` with ``method``;
+    ``is_original_qwen3_reranker`` means from_2_way_softmax); None without such tokens."""
+    tokens = cfg.get("classifier_from_token")
+    if not tokens:
+        return None
+    method = "from_2_way_softmax" if cfg.get("is_original_qwen3_reranker") else cfg.get("method")
+    if method not in SEQ_CLS_METHODS:
+        raise ConfigError(f"classifier_from_token needs method one of {', '.join(SEQ_CLS_METHODS)}; got {method!r}")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ConfigError(f"classifier_from_token must be a list of token strings, got {tokens!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ConfigError(f"from_2_way_softmax needs two classifier_from_token entries (no, yes); got {tokens}")
+    return method
+
+
 def num_labels(cfg: dict[str, Any]) -> int:
     """A classifier's label count as transformers reads it: ``id2label``'s size, else
-    ``num_labels``, else its default of 2."""
+    ``num_labels``, else its default of 2; a head from LM-head tokens has one per token (one
+    for from_2_way_softmax)."""
+    method = seq_cls_method(cfg)
+    if method is not None:
+        return 1 if method == "from_2_way_softmax" else len(cfg["classifier_from_token"])
     if isinstance(cfg.get("id2label"), dict) and cfg["id2label"]:
         return len(cfg["id2label"])
     return int(cfg.get("num_labels") or 2)
