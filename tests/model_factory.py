@@ -170,6 +170,18 @@ def build_hf_classifier(config: PretrainedConfig, folder: Path, num_labels: int,
     return build_hf_model(config, folder, seed=seed, auto=AutoModelForSequenceClassification)
 
 
+def build_stories_cross_encoder(folder: Path, stories: Path, seed: int = 0):
+    """A one-label LlamaForSequenceClassification (a cross-encoder reranker) over stories260k's
+    512-token vocabulary, with its real tokenizer files copied in."""
+    import shutil
+
+    cfg = LlamaConfig(**{**_COMMON, "vocab_size": 512}, num_attention_heads=4, num_key_value_heads=2)
+    hf = build_hf_classifier(cfg, folder, num_labels=1, seed=seed)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(stories / f, folder / f)
+    return hf
+
+
 def build_hf_bare_decoder(config: PretrainedConfig, folder: Path, seed: int = 0):
     """A random-weight bare decoder (``LlamaModel``, ``Qwen3Model``), saved without a head and
     without the ``model.`` prefix, as embedders often are."""

@@ -17,8 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from model_factory import build_hf_bare_decoder, build_hf_classifier, build_hf_model, tiny_config
-from transformers import AutoTokenizer, LlamaConfig
+from model_factory import (
+    build_hf_bare_decoder,
+    build_hf_classifier,
+    build_hf_model,
+    build_stories_cross_encoder,
+    tiny_config,
+)
+from transformers import AutoTokenizer
 
 from kvledger.errors import ConfigError, InvalidRequestError
 from kvledger.llm import LLM
@@ -69,13 +75,7 @@ def cross_encoder(tmp_path_factory):
     if not (STORIES / "tokenizer.json").exists():
         pytest.skip(f"stories260k not found at {STORIES}")
     path = tmp_path_factory.mktemp("ce")
-    cfg = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      bos_token_id=1, eos_token_id=2)  # fmt: skip
-    hf = build_hf_classifier(cfg, path, num_labels=1)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(STORIES / f, path / f)
-    return path, hf
+    return path, build_stories_cross_encoder(path, STORIES)
 
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "qwen2", "qwen3"])

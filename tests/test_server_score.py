@@ -9,15 +9,13 @@ Scores are checked against transformers on the same folder: the tokenizer's pair
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import pytest
 import torch
-from model_factory import build_hf_classifier
-from transformers import AutoTokenizer, LlamaConfig
+from model_factory import build_stories_cross_encoder
+from transformers import AutoTokenizer
 
-from tests.test_server import STORIES, ServerProcess
+from tests.test_server import STORIES, ServerProcess, running_server
 
 KEY = "sk-score-test"
 QUERY = "Where did Tom play with his dog?"
@@ -34,25 +32,13 @@ def folder(tmp_path_factory):
     if not (STORIES / "tokenizer.json").exists():
         pytest.skip(f"stories260k not found at {STORIES}")
     path = tmp_path_factory.mktemp("reranker")
-    cfg = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      bos_token_id=1, eos_token_id=2)  # fmt: skip
-    hf = build_hf_classifier(cfg, path, num_labels=1)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(STORIES / f, path / f)
-    return path, hf
+    return path, build_stories_cross_encoder(path, STORIES)
 
 
 @pytest.fixture(scope="module")
 def server(folder, tmp_path_factory):
-    path, _ = folder
-    srv = ServerProcess(str(path), "--api-key", KEY, "--torch-threads", "1", "--served-model-name", "rr",
-                        log_path=tmp_path_factory.mktemp("srv") / "server.log")  # fmt: skip
-    try:
-        srv.wait_ready()
+    with running_server(tmp_path_factory, str(folder[0]), "--api-key", KEY, "--served-model-name", "rr") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from kvledger.errors import InvalidRequestError
 from kvledger.pooling.params import PoolingParams
 from kvledger.pooling.score import check_truncation, truncate
 from kvledger.server.errors import APIError
@@ -103,9 +104,7 @@ def check_params(pooler: Any, params: PoolingParams, param: str | None = None) -
     """The engine's own check, here, so that a client's mistake is a 400 naming its field."""
     try:
         pooler.resolve(params)
-    except FieldError:
-        raise
-    except Exception as e:  # InvalidRequestError: the message names the field
+    except InvalidRequestError as e:  # its message names the field
         raise APIError(400, str(e), param=param) from None
 
 

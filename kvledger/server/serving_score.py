@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from kvledger.errors import InvalidRequestError
 from kvledger.pooling.params import PoolingParams
-from kvledger.pooling.score import check_truncation, cosine, encode_pair, pair_up
+from kvledger.pooling.score import check_truncation, cosine, encode_pair, pair_up, truncate
 from kvledger.server.errors import APIError
 from kvledger.server.fields import FieldError, refuse_extra_fields
 from kvledger.server.pooling_inputs import check_params, require_task, run_pooled, tokenize
@@ -108,8 +108,7 @@ async def score_pairs(
     keep = info.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
     if pooler.classifier is None:  # bi-encoder
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        prompts = [tokenize(ctx, t, True) for t in texts]
-        prompts = [p[-keep:] if keep is not None else p for p in prompts]
+        prompts = [truncate(tokenize(ctx, t, True), keep) for t in texts]
         params = PoolingParams(task="embed")
         outs = await run_pooled(ctx, prompts, params, rid, body.priority)
         vecs = {t: o.outputs.data for t, o in zip(texts, outs)}
