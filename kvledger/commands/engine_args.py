@@ -25,9 +25,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--runner", default="auto", choices=["auto", "generate", "pooling"],
-        help="pooling: embed prompts (/v1/embeddings, LLM.embed) instead of generating text (vLLM's --runner)",
+        help="pooling: embed, classify or score prompts (/v1/embeddings, /classify, /score, /rerank) instead of "
+        "generating text (vLLM's --runner); auto pools *ForSequenceClassification and bare *Model folders",
     )  # fmt: skip
-    g.add_argument("--task", default=None, choices=["embed", "generate"], help="deprecated: use --runner (embed = pooling)")
+    g.add_argument(
+        "--task", default=None, choices=["embed", "classify", "score", "generate"],
+        help="deprecated: use --runner (embed, classify, score = pooling)",
+    )  # fmt: skip
     g.add_argument(
         "--pooler-config", default=None,
         help='pooling over the folder\'s: JSON with pooling_type (LAST | MEAN | CLS) and normalize, e.g. \'{"pooling_type": "MEAN"}\'',

@@ -30,8 +30,8 @@ def check_runner(pooler: PoolerConfig | None, params: object) -> None:
     rule); the error names the runner to start instead."""
     if pooler is not None and not isinstance(params, PoolingParams):
         raise InvalidRequestError(
-            "this model runs with the pooling runner (runner='pooling'): it embeds prompts "
-            "(LLM.embed, /v1/embeddings) and does not generate text"
+            "this model runs with the pooling runner (runner='pooling'): it pools prompts "
+            f"({', '.join(pooler.tasks)}: LLM.{pooler.tasks[0]}) and does not generate text"
         )
     if pooler is None and isinstance(params, PoolingParams):
         raise InvalidRequestError(
