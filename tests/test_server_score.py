@@ -15,7 +15,7 @@ import torch
 from model_factory import build_stories_cross_encoder
 from transformers import AutoTokenizer
 
-from tests.test_server import STORIES, ServerProcess, running_server
+from tests.test_server import STORIES, running_server
 
 KEY = "sk-score-test"
 QUERY = "Where did Tom play with his dog?"
@@ -151,24 +151,6 @@ def test_api_key_is_enforced_on_every_pooling_route(server):
     for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/pooling"):
         assert _post(server, path, {"query": "a", "documents": ["b"]}, key=None).status_code == 401, path
         assert _post(server, path, {"query": "a", "documents": ["b"]}, key="wrong").status_code == 401, path
-
-
-def test_a_generate_server_refuses_the_pooling_routes_by_name(tmp_path):
-    srv = ServerProcess(str(STORIES), "--torch-threads", "1", log_path=tmp_path / "gen.log")
-    try:
-        srv.wait_ready()
-        for path, body, api in [
-            ("/classify", {"input": "hi"}, "Classification"),
-            ("/score", {"text_1": "a", "text_2": "b"}, "Score"),
-            ("/rerank", {"query": "a", "documents": ["b"]}, "Rerank (Score)"),
-            ("/pooling", {"input": "hi"}, "Pooling"),
-        ]:
-            r = _post(srv, path, body, key=None)
-            assert r.status_code == 400, r.text
-            msg = r.json()["error"]["message"]
-            assert f"The model does not support {api} API" in msg and "--runner pooling" in msg, msg
-    finally:
-        srv.stop()
 
 
 def test_pooling_routes_count_in_vllm_metrics(server):
