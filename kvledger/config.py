@@ -144,6 +144,9 @@ class EngineConfig:
     # --pooler-config keys pooling_type (LAST | MEAN | CLS) and normalize, over the folder's.
     runner: str = "auto"
     pooler_config: dict | None = None
+    # vLLM's --hf-overrides: keys laid over the folder's config.json before anything reads it
+    # (e.g. Qwen3-Reranker's architectures / classifier_from_token: pooling/README in docs).
+    hf_overrides: dict | None = None
     # vLLM's speculative_config: a SpeculativeConfig, a dict or its JSON text; None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
 
@@ -162,6 +165,8 @@ class EngineConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ConfigError(f"hf_overrides must be a dict of config.json keys, got {type(self.hf_overrides).__name__}")
         _choice("runner", self.runner, RUNNERS)
         if self.runner == "auto":
             self.runner = "generate"

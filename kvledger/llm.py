@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvledger.chat_utils import apply_chat_template
 from kvledger.core.engine import LLMEngine
@@ -12,8 +13,16 @@ from kvledger.engine.gc_heap import deferred_full_collections
 from kvledger.errors import ConfigError, InvalidRequestError
 from kvledger.inputs import PromptType
 from kvledger.ledger.snapshot import LedgerSnapshot
-from kvledger.outputs import EmbeddingRequestOutput, RequestOutput
+from kvledger.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from kvledger.pooling.config import PoolerConfig
 from kvledger.pooling.params import PoolingParams
+from kvledger.pooling.score import cosine, encode_pair, pair_up, truncate, truncation_length
 from kvledger.sampling_params import SamplingParams
 
 __all__ = ["LLM", "build_engine_config"]
@@ -78,29 +87,98 @@ class LLM:
         prompts: PromptType | Sequence[PromptType] | Sequence[int] | Sequence[Sequence[int]],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (vLLM's ``LLM.embed``; needs runner="pooling").
 
         Each prompt is one prefill through the same scheduler, KV pool and prefix cache as
         generation; the vector is pooled as the model's pooler config says (pooling/config.py).
         """
-        if self.llm_engine.pooler_config is None:
+        outs = self._pool(prompts, pooling_params, "embed", use_tqdm, truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType] | Sequence[int] | Sequence[Sequence[int]],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Label probabilities per prompt (vLLM's ``LLM.classify``): a ``*ForSequenceClassification``
+        model's ``score`` head on the last token, through its activation (pooling/classifier.py)."""
+        outs = self._pool(prompts, pooling_params, "classify", use_tqdm, truncate_prompt_tokens)
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """One score per (data_1, data_2) pair (vLLM's ``LLM.score``): data_1 is one text or as
+        many as data_2. A cross-encoder (a one-label classifier) reads each pair as one prompt;
+        an embedding model scores the cosine of the two texts' embeddings."""
+        pooler = self._pooler()
+        pairs = pair_up(data_1, data_2, ("data_1", "data_2"))
+        eng = self.llm_engine
+        k = truncation_length(truncate_prompt_tokens, eng.max_model_len)
+        if pooler.classifier is None:  # bi-encoder: embed each distinct text once
+            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+            params = replace(pooling_params or PoolingParams(), task="embed")
+            vecs = dict(zip(texts, self._pool(texts, params, "embed", use_tqdm, truncate_prompt_tokens)))
+            return [
+                ScoringRequestOutput(
+                    f"{vecs[a].request_id}_{vecs[b].request_id}",
+                    ScoringOutput(cosine(vecs[a].outputs.data, vecs[b].outputs.data)),
+                    vecs[a].prompt_token_ids + vecs[b].prompt_token_ids, True,
+                )
+                for a, b in pairs
+            ]  # fmt: skip
+        tok = self.get_tokenizer()
+        ids = [{"prompt_token_ids": encode_pair(tok, a, b, max_length=k)} for a, b in pairs]
+        params = replace(pooling_params or PoolingParams(), task="score")
+        outs = self._pool(ids, params, "score", use_tqdm, None)
+        return [
+            ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.data[0]), o.prompt_token_ids, o.finished)
+            for o in outs
+        ]
+
+    def _pooler(self) -> PoolerConfig:
+        pooler = self.llm_engine.pooler_config
+        if pooler is None:
             raise InvalidRequestError(
-                "LLM.embed() needs the pooling runner: LLM(model, runner='pooling'); "
+                "embed, classify and score need the pooling runner: LLM(model, runner='pooling'); "
                 "this LLM runs the generate runner"
+            )
+        return pooler
+
+    def _pool(self, prompts, pooling_params, task: str, use_tqdm: bool, truncate_prompt_tokens: int | None):
+        """Pooling requests of ``task`` to completion, in order (PoolingRequestOutputs)."""
+        pooler = self._pooler()
+        if task not in pooler.tasks:
+            raise InvalidRequestError(
+                f"this model does not support {task}: it supports {', '.join(pooler.tasks)}"
             )
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
         parsed = [_parse_prompt(p) for p in prompts]  # type: ignore[union-attr]
+        k = truncation_length(truncate_prompt_tokens, self.llm_engine.max_model_len)
+        if k is not None:
+            eng = self.llm_engine
+            parsed = [(t, truncate(eng.tokenize(t) if ids is None else ids, k), s) for t, ids, s in parsed]
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params or PoolingParams()] * len(parsed)
         if len(pooling_params) != len(parsed):
             raise ConfigError(f"got {len(pooling_params)} pooling params for {len(parsed)} prompts")
+        pooling_params = [replace(p, task=task) for p in pooling_params]
         with deferred_full_collections():
-            outs = self._submit_and_step(parsed, pooling_params, use_tqdm)  # type: ignore[arg-type]
-        return [EmbeddingRequestOutput.from_base(o) for o in outs]  # type: ignore[arg-type]
+            return self._submit_and_step(parsed, pooling_params, use_tqdm)  # type: ignore[arg-type]
 
     def chat(
         self,

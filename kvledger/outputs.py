@@ -159,3 +159,45 @@ class EmbeddingRequestOutput:
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
         return cls(out.request_id, EmbeddingOutput(out.outputs.data), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    """A classifier's label probabilities (logits when its activation is off)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """``LLM.classify()``'s item (vLLM's shape: ``output.outputs.probs``)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, ClassificationOutput(out.outputs.data), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score: a cross-encoder's (activated) logit, or two embeddings' cosine."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score()``'s item (vLLM's shape: ``output.outputs.score``)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoModel,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
@@ -136,14 +138,16 @@ def build_hf_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     max_shard_size: str | None = None,
+    auto: type = AutoModelForCausalLM,
 ):
     """Random-weight HF model saved as safetensors in folder; returns the HF model (eval mode).
+    ``auto``: AutoModelForSequenceClassification (a ``score`` head) or AutoModel (no head).
 
     Weights get a larger spread than HF's init (std 0.02) so logits are far from ties and the
     greedy comparison actually exercises the numerics.
     """
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -156,6 +160,32 @@ def build_hf_model(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     return model
+
+
+def build_hf_classifier(config: PretrainedConfig, folder: Path, num_labels: int, seed: int = 0, **config_extra):
+    """A random-weight *ForSequenceClassification folder (transformers' ``score`` head)."""
+    config.num_labels = num_labels
+    for k, v in config_extra.items():
+        setattr(config, k, v)
+    return build_hf_model(config, folder, seed=seed, auto=AutoModelForSequenceClassification)
+
+
+def build_stories_cross_encoder(folder: Path, stories: Path, seed: int = 0):
+    """A one-label LlamaForSequenceClassification (a cross-encoder reranker) over stories260k's
+    512-token vocabulary, with its real tokenizer files copied in."""
+    import shutil
+
+    cfg = LlamaConfig(**{**_COMMON, "vocab_size": 512}, num_attention_heads=4, num_key_value_heads=2)
+    hf = build_hf_classifier(cfg, folder, num_labels=1, seed=seed)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(stories / f, folder / f)
+    return hf
+
+
+def build_hf_bare_decoder(config: PretrainedConfig, folder: Path, seed: int = 0):
+    """A random-weight bare decoder (``LlamaModel``, ``Qwen3Model``), saved without a head and
+    without the ``model.`` prefix, as embedders often are."""
+    return build_hf_model(config, folder, seed=seed, auto=AutoModel)
 
 
 @dataclass

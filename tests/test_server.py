@@ -123,18 +123,22 @@ class ServerProcess:
 
 
 @contextmanager
-def running_stories(tmp_path_factory, *args: str) -> Iterator[ServerProcess]:
-    """`kvledger serve` of stories260k (one torch thread) with ``args``, for a module's tests;
-    the test is skipped without the model."""
-    if not (STORIES / "config.json").exists():
-        pytest.skip(f"stories260k not found at {STORIES}")
-    srv = ServerProcess(str(STORIES), *args, "--torch-threads", "1",
+def running_server(tmp_path_factory, model: str, *args: str) -> Iterator[ServerProcess]:
+    """`kvledger serve MODEL` (one torch thread) with ``args``, for a module's tests."""
+    srv = ServerProcess(model, *args, "--torch-threads", "1",
                         log_path=tmp_path_factory.mktemp("srv") / "server.log")  # fmt: skip
     try:
         srv.wait_ready()
         yield srv
     finally:
         srv.stop()
+
+
+def running_stories(tmp_path_factory, *args: str):
+    """``running_server`` of stories260k; the test is skipped without the model."""
+    if not (STORIES / "config.json").exists():
+        pytest.skip(f"stories260k not found at {STORIES}")
+    return running_server(tmp_path_factory, str(STORIES), *args)
 
 
 @pytest.fixture(scope="module")

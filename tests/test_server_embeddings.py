@@ -111,7 +111,11 @@ def test_generation_endpoints_name_the_runner(client, server):
         ({"input": "hi", "dimensions": True}, "dimensions"),
         ({"input": "hi", "dimensions": 0}, "dimensions"),
         ({"input": "hi", "colour": "red"}, "colour"),
-        ({"input": "hi", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+        ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"input": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "input": "hi"}, "exactly one of"),
+        ({"messages": "hi"}, "messages"),
         ({"input": "hi", "model": "gpt-4"}, "gpt-4"),
         ({"input": ["x"] * 2049}, "at most 2048"),
     ],
@@ -120,6 +124,50 @@ def test_hostile_bodies_get_4xx_naming_the_problem(server, body, needle):
     r = httpx.post(f"{server.url}/v1/embeddings", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert 400 <= r.status_code < 500, r.text
     assert needle in r.json()["error"]["message"], r.text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server, reference):
+    ids = _ids(server, TEXTS[1])
+    for k, want in ((5, ids[-5:]), (-1, ids), (len(ids) + 10, ids)):
+        res = client.embeddings.create(model=NAME, input=TEXTS[1], encoding_format="float",
+                                       extra_body={"truncate_prompt_tokens": k})  # fmt: skip
+        assert res.usage.prompt_tokens == len(want)
+        assert _cos(res.data[0].embedding, reference(want)) >= 0.9999
+
+
+def test_chat_messages_are_one_prompt_through_the_template(client, server, reference):
+    """vLLM's chat-style embeddings request: the conversation rendered by the chat template,
+    tokenized without special tokens (vLLM's default for messages)."""
+    msgs = [{"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": "there was a cat."}]
+    text = "Once upon a time\nthere was a cat.\n"  # TEMPLATE's rendering
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False},
+                   headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    ids = r.json()["tokens"]
+    res = client.embeddings.create(model=NAME, input=[], encoding_format="float", extra_body={"messages": msgs, "input": None})
+    assert res.usage.prompt_tokens == len(ids) and _cos(res.data[0].embedding, reference(ids)) >= 0.9999
+    with_bos = client.embeddings.create(model=NAME, input=[], encoding_format="float",
+                                        extra_body={"messages": msgs, "input": None, "add_special_tokens": True})  # fmt: skip
+    assert with_bos.usage.prompt_tokens == len(ids) + 1
+
+
+def test_bi_encoder_score_and_rerank_are_cosines(server, reference):
+    """An embedding model scores a pair by the cosine of the two embeddings (vLLM's rule)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    docs = [TEXTS[1], "The end.", TEXTS[0]]
+    vecs = {t: reference(_ids(server, t)) for t in [TEXTS[0], *docs]}
+    want = [F.cosine_similarity(vecs[TEXTS[0]], vecs[d], dim=0).item() for d in docs]
+    r = httpx.post(f"{server.url}/v1/score", json={"text_1": TEXTS[0], "text_2": docs}, headers=auth, timeout=60)
+    assert r.status_code == 200, r.text
+    assert max(abs(d["score"] - w) for d, w in zip(r.json()["data"], want)) < 1e-4
+    r = httpx.post(f"{server.url}/rerank", json={"query": TEXTS[0], "documents": docs, "top_n": 2},
+                   headers=auth, timeout=60).json()  # fmt: skip
+    assert [x["index"] for x in r["results"]] == sorted(range(3), key=lambda i: -want[i])[:2]
+    assert r["results"][0]["index"] == 2 and abs(r["results"][0]["relevance_score"] - 1.0) < 1e-5  # itself
+    r = httpx.post(f"{server.url}/classify", json={"input": "hi"}, headers=auth, timeout=60)
+    assert r.status_code == 400 and "does not support Classification API" in r.json()["error"]["message"]
+    pooled = httpx.post(f"{server.url}/pooling", json={"input": TEXTS[0]}, headers=auth, timeout=60).json()
+    assert _cos(pooled["data"][0]["data"], vecs[TEXTS[0]]) >= 0.9999
+    assert server.ledger(KEY)["used_blocks"] == 0
 
 
 def test_raw_garbage_and_missing_key(server):
@@ -145,10 +193,21 @@ def test_embeddings_count_in_vllm_metrics(client, server):
 
 
 def test_a_generate_server_refuses_embeddings_naming_the_runner(tmp_path):
+    """And every other pooling route, with vLLM's "does not support ... API" message."""
     srv = ServerProcess(str(STORIES), "--torch-threads", "1", log_path=tmp_path / "gen.log")
     try:
         srv.wait_ready()
         with pytest.raises(openai.BadRequestError, match="pooling runner"):
             srv.client().embeddings.create(model=str(STORIES), input="hi")
+        for path, body, api in [
+            ("/classify", {"input": "hi"}, "Classification"),
+            ("/score", {"text_1": "a", "text_2": "b"}, "Score"),
+            ("/rerank", {"query": "a", "documents": ["b"]}, "Rerank (Score)"),
+            ("/pooling", {"input": "hi"}, "Pooling"),
+        ]:
+            r = httpx.post(f"{srv.url}{path}", json=body, timeout=60)
+            assert r.status_code == 400, r.text
+            msg = r.json()["error"]["message"]
+            assert f"The model does not support {api} API" in msg and "--runner pooling" in msg, msg
     finally:
         srv.stop()

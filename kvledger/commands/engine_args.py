@@ -25,12 +25,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--runner", default="auto", choices=["auto", "generate", "pooling"],
-        help="pooling: embed prompts (/v1/embeddings, LLM.embed) instead of generating text (vLLM's --runner)",
+        help="pooling: embed, classify or score prompts (/v1/embeddings, /classify, /score, /rerank) instead of "
+        "generating text (vLLM's --runner); auto pools *ForSequenceClassification and bare *Model folders",
     )  # fmt: skip
-    g.add_argument("--task", default=None, choices=["embed", "generate"], help="deprecated: use --runner (embed = pooling)")
+    g.add_argument(
+        "--task", default=None, choices=["embed", "classify", "score", "generate"],
+        help="deprecated: use --runner (embed, classify, score = pooling)",
+    )  # fmt: skip
     g.add_argument(
         "--pooler-config", default=None,
         help='pooling over the folder\'s: JSON with pooling_type (LAST | MEAN | CLS) and normalize, e.g. \'{"pooling_type": "MEAN"}\'',
+    )  # fmt: skip
+    g.add_argument(
+        "--hf-overrides", default=None,
+        help="JSON laid over the folder's config.json (vLLM's), e.g. Qwen3-Reranker's "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true}\'',
     )  # fmt: skip
     g.add_argument("--kv-sink-tokens", type=int, default=4)
     g.add_argument("--kv-recent-tokens", type=int, default=0)
@@ -157,6 +167,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"--pooler-config is not JSON: {e}") from None
     if args.tokenizer is not None:
         kw["tokenizer"] = args.tokenizer
+    if args.hf_overrides is not None:
+        import json
+
+        try:
+            kw["hf_overrides"] = json.loads(args.hf_overrides)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--hf-overrides is not JSON: {e}") from None
     if args.revision is not None:
         kw["revision"] = args.revision
     if args.download_dir is not None:

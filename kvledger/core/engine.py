@@ -76,6 +76,8 @@ class LLMEngine:
         self.pooler_config: PoolerConfig | None = None
         if config.runner == "pooling":
             self.pooler_config = load_pooler_config(config.model, facts.hf_config, config.pooler_config)
+        else:
+            pooling.check_generates(facts.hf_config)
         self.groups: dict[str, RequestGroup] = {}
         self._counter = itertools.count()
         self.swaps = SwapStats()

@@ -31,7 +31,23 @@ _NO_EFFECT: dict[str, tuple[object, str]] = {
 _warned: set[str] = set()
 
 # vLLM's older --task values and the runner each now is (the others are not served here).
-_TASK_RUNNER = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+_TASK_RUNNER = {
+    "auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling",
+    "classify": "pooling", "score": "pooling",
+}  # fmt: skip
+
+
+def _auto_runner(model: str, hf_overrides: dict | None) -> str:
+    """vLLM's runner="auto": a classification or bare-decoder checkpoint (config.json's
+    architecture) pools; everything else generates."""
+    from pathlib import Path
+
+    from kvledger.hf.config import model_head, read_json
+
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return "generate"
+    return "generate" if model_head({**read_json(config), **(hf_overrides or {})}) == "lm" else "pooling"
 
 
 def _task_to_runner(kwargs: dict) -> None:
@@ -40,7 +56,9 @@ def _task_to_runner(kwargs: dict) -> None:
     if task is None:
         return
     if task not in _TASK_RUNNER:
-        raise ConfigError(f"task {task!r} is not supported; use runner='generate' or runner='pooling' (embed)")
+        raise ConfigError(
+            f"task {task!r} is not supported; use runner='generate' or runner='pooling' (embed, classify, score)"
+        )
     if "task" not in _warned:
         _warned.add("task")
         logger.warning("task=%r is deprecated (as in vLLM); use runner=%r", task, _TASK_RUNNER[task])
@@ -79,6 +97,8 @@ def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
         _warned.add("enforce_eager")
         logger.warning("enforce_eager has no effect on the CPU: CUDA graphs are captured on CUDA only")
     _task_to_runner(kwargs)
+    if kwargs.get("runner", "auto") == "auto":
+        kwargs["runner"] = _auto_runner(model, kwargs.get("hf_overrides"))
     if "max_num_batched_tokens" not in kwargs and "max_model_len" in kwargs:
         kwargs["max_num_batched_tokens"] = max(2048, kwargs["max_model_len"])
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED}

@@ -96,14 +96,16 @@ def _build(config: EngineConfig, device: torch.device, tokenizer_job: Future) ->
     spec = WorkerSpec(
         model=config.model, dtype=config.dtype, device=config.device, max_model_len=None,
         block_size=cc.block_size, attention_backend=backend, seed=config.seed,
-        quantization=config.quantization,
+        quantization=config.quantization, hf_overrides=config.hf_overrides,
     )  # fmt: skip
     worker = None
     if tp == 1:
         worker = Worker(spec)
         loaded = worker.loaded
     else:  # this process is the driver and loads no weights (the ranks do)
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device, weights=False)
+        loaded = load_model(
+            config.model, dtype=config.dtype, device=config.device, weights=False, hf_overrides=config.hf_overrides
+        )
     facts = _model_facts(config, loaded, device)
     facts.default_sampling_params = generation_defaults(config.model, config.generation_config)
     if facts.default_sampling_params:

@@ -44,6 +44,10 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
 )
+# Pooling checkpoints of these families: transformers' ``*ForSequenceClassification`` (the
+# decoder plus a ``score`` head) and the bare decoder (``LlamaModel``, ``Qwen3Model``: common for
+# embedders, saved without the ``model.`` prefix). They are the same network with another head.
+HEADS = {"ForCausalLM": "lm", "ForSequenceClassification": "classify", "Model": "none"}
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -86,12 +90,61 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def architecture(cfg: dict[str, Any]) -> str | None:
-    """The config's first "architectures" entry, else the one its model_type implies."""
+    """The config's first "architectures" entry, else the one its model_type implies; a
+    supported family's classification or headless class reads as its ``*ForCausalLM`` (the
+    network is the same; ``model_head`` tells the head)."""
     archs = cfg.get("architectures") or []
     if archs:
-        return str(archs[0])
+        return _split_head(str(archs[0]))[0]
     model_type = cfg.get("model_type")
     return MODEL_TYPES.get(model_type, model_type) if model_type else None
+
+
+def _split_head(arch: str) -> tuple[str, str]:
+    """("QwenXForCausalLM", head) for a supported family's class with any of ``HEADS``."""
+    for suffix, head in HEADS.items():
+        base = arch.removesuffix(suffix)
+        if base != arch and f"{base}ForCausalLM" in SUPPORTED_ARCHITECTURES:
+            return f"{base}ForCausalLM", head
+    return arch, "lm"
+
+
+def model_head(cfg: dict[str, Any]) -> str:
+    """What sits on the decoder: "lm" (an LM head), "classify" (a ``score`` head of
+    ``num_labels`` rows, transformers' ``*ForSequenceClassification``) or "none"."""
+    archs = cfg.get("architectures") or []
+    return _split_head(str(archs[0]))[1] if archs else "lm"
+
+
+SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def seq_cls_method(cfg: dict[str, Any]) -> str | None:
+    """How a head is built from LM-head rows (vLLM's ``classifier_from_token`` with ``method``;
+    ``is_original_qwen3_reranker`` means from_2_way_softmax); None without such tokens."""
+    tokens = cfg.get("classifier_from_token")
+    if not tokens:
+        return None
+    method = "from_2_way_softmax" if cfg.get("is_original_qwen3_reranker") else cfg.get("method")
+    if method not in SEQ_CLS_METHODS:
+        raise ConfigError(f"classifier_from_token needs method one of {', '.join(SEQ_CLS_METHODS)}; got {method!r}")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ConfigError(f"classifier_from_token must be a list of token strings, got {tokens!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ConfigError(f"from_2_way_softmax needs two classifier_from_token entries (no, yes); got {tokens}")
+    return method
+
+
+def num_labels(cfg: dict[str, Any]) -> int:
+    """A classifier's label count as transformers reads it: ``id2label``'s size, else
+    ``num_labels``, else its default of 2; a head from LM-head tokens has one per token (one
+    for from_2_way_softmax)."""
+    method = seq_cls_method(cfg)
+    if method is not None:
+        return 1 if method == "from_2_way_softmax" else len(cfg["classifier_from_token"])
+    if isinstance(cfg.get("id2label"), dict) and cfg["id2label"]:
+        return len(cfg["id2label"])
+    return int(cfg.get("num_labels") or 2)
 
 
 def layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[str, ...] | None:
@@ -265,6 +318,8 @@ class ModelConfig:
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] | None = None  # which layers are sparse (None: all, with experts)
+    head: str = "lm"  # hf.config.HEADS: "lm", "classify" (``score``, num_labels rows) or "none"
+    num_labels: int = 0
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types and self.sliding_window and self.layer_types[layer] == SLIDING)
@@ -401,6 +456,8 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             final_softcap=(cfg.get("final_logit_softcapping") or None) if gemma else None,
             moe_intermediate_size=int(cfg["moe_intermediate_size"]) if cfg.get("moe_intermediate_size") else None,
             norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob")),
+            head=model_head(cfg),
+            num_labels=num_labels(cfg) if model_head(cfg) == "classify" else 0,
             **moe,
         )
     except KeyError as e:

@@ -181,9 +181,12 @@ class LlamaForCausalLM(nn.Module):
         rows = self.row_invariance
         self.lm_head = (
             None
-            if cfg.tie_word_embeddings
+            if cfg.tie_word_embeddings or cfg.head != "lm"
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, row_invariance=rows)
         )
+        # transformers' *ForSequenceClassification head: pooled rows -> num_labels logits (the
+        # pooling runner applies it to one row per request; a plain matmul, never packed).
+        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.head == "classify" else None
         # The RoPE tables are computed, not loaded: built on the real device even when the
         # weights are constructed on the meta device.
         positions = max_positions or cfg.max_position_embeddings
@@ -333,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        if self.lm_head is None:
+        if self.lm_head is None and self.config.head == "lm":
             embed = self.model.embed_tokens.weight
             head = Linear(
                 embed.shape[1], embed.shape[0], weight=embed, row_invariance=self.row_invariance

@@ -126,10 +126,15 @@ def load_weights(
         return _load_gguf(model, path, dtype, device, hf_config or {})
     reader = CheckpointReader(path, hf_config)
     sources = _sources(model)
+    if "model.embed_tokens.weight" not in reader and "embed_tokens.weight" in reader:
+        # A bare decoder saved on its own (transformers' LlamaModel / Qwen3Model: embedders)
+        # names its tensors without the "model." prefix.
+        sources = {n: [(hf.removeprefix("model."), r, k) for hf, r, k in p] for n, p in sources.items()}
     if reader.quantization in ("gptq", "awq"):
         _load_packed_int4(model, reader, sources, quantization_config(hf_config or {}))
     elif reader.quantization == "w8a8-int8":
         _load_w8a8(model, reader, sources)
+    from_tokens = bool((hf_config or {}).get("classifier_from_token")) and sources.pop("score.weight", None)
     missing = [hf for pieces in sources.values() for hf, _, _ in pieces if hf not in reader]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -152,6 +157,10 @@ def load_weights(
             if name not in state:
                 state[name] = torch.empty(shape, dtype=dtype, device=device)
             state[name][row : row + n].copy_(t)
+    if from_tokens:  # a reranker's head from LM-head rows (model/seq_cls.py)
+        from kvledger.model.seq_cls import head_rows
+
+        state["score.weight"] = head_rows(reader, path, hf_config or {}).to(dtype=dtype, device=device)
     reader.close()
     model.load_state_dict(state, strict=False, assign=True)
 
@@ -296,17 +305,19 @@ def load_model(
     pack_linear: bool = True,
     weights: bool = True,
     quantization: str | None = None,
+    hf_overrides: dict | None = None,
 ) -> LoadedModel:
     """Load an HF Llama-family folder. max_model_len caps the context (and the RoPE table);
     by default it is the model's limit (max_position_embeddings, or a sliding window if smaller).
     pack_linear: on CPU in float32, pack matmul weights for oneDNN (Linear.pack).
     weights=False: the model stays on the meta device (a tensor-parallel driver needs only its
     shape; the ranks load their shards). quantization: "int8" stores the decoder layers' weights
-    as W8A8 (model/quant_int8.py), before the rest is packed."""
+    as W8A8 (model/quant_int8.py), before the rest is packed. hf_overrides: keys laid over
+    config.json (vLLM's)."""
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"model folder {path} does not exist")
-    hf_config = read_json(path / "config.json")
+    hf_config = {**read_json(path / "config.json"), **(hf_overrides or {})}
     quantization_method(hf_config)  # refuse a method we cannot run before building anything
     cfg = model_config_from_hf(hf_config)
     torch_dtype = resolve_dtype(dtype, hf_config)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvledger.errors import ConfigError, InvalidRequestError
+from kvledger.hf.config import model_head
+from kvledger.pooling.classifier import ClassifierInfo, load_classifier
 from kvledger.pooling.params import POOLING_TYPES, PoolingParams
 
 _ST_MODES = {  # sentence-transformers' Pooling flags -> vLLM's pooling types
@@ -36,11 +38,25 @@ class PoolerConfig:
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
     source: str = "vLLM's default for decoder models"
+    classifier: ClassifierInfo | None = None  # a *ForSequenceClassification model's head
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """vLLM's supported pooling tasks: a classifier classifies and scores pairs (one label);
+        other models embed (their ``score`` is the cosine of two embeddings, by the front ends)."""
+        return ("classify", "score") if self.classifier is not None else ("embed",)
 
     def resolve(self, params: PoolingParams) -> PoolingParams:
         """The request's parameters with the model's defaults filled in, or an error naming
         what this model cannot do."""
         params.verify()
+        if params.task not in self.tasks:
+            raise InvalidRequestError(
+                f"pooling task {params.task!r} is not supported by this model; it supports "
+                f"{', '.join(self.tasks)}"
+            )
+        if self.classifier is not None:
+            return self._resolve_classify(params)
         if params.dimensions is not None:
             if not self.is_matryoshka:
                 raise InvalidRequestError(
@@ -62,6 +78,25 @@ class PoolerConfig:
             normalize=self.normalize if params.normalize is None else params.normalize,
             task=params.task,
             pooling_type=params.pooling_type or self.pooling_type,
+        )
+
+    def _resolve_classify(self, params: PoolingParams) -> PoolingParams:
+        head = self.classifier
+        assert head is not None
+        if params.dimensions is not None:
+            raise InvalidRequestError("dimensions is for embeddings; this model classifies")
+        if params.task == "score" and head.num_labels != 1:
+            raise InvalidRequestError(
+                f"score needs a cross-encoder with one label; this model has {head.num_labels} "
+                "(num_labels in config.json): use classify"
+            )
+        act = head.score_activation if params.task == "score" else head.classify_activation
+        return PoolingParams(
+            task=params.task,
+            pooling_type=params.pooling_type or self.pooling_type,
+            use_activation=params.use_activation,
+            activation=act if params.use_activation is not False else "identity",
+            normalize=False,
         )
 
 
@@ -86,6 +121,7 @@ def load_pooler_config(model_dir: str, hf_config: dict, override: dict | None = 
     if "normalize" in override:
         normalize = bool(override["normalize"])
     dims = hf_config.get("matryoshka_dimensions")
+    classifier = load_classifier(hf_config) if model_head(hf_config) == "classify" else None
     return PoolerConfig(
         pooling_type=kind,
         normalize=normalize,
@@ -93,6 +129,7 @@ def load_pooler_config(model_dir: str, hf_config: dict, override: dict | None = 
         is_matryoshka=bool(hf_config.get("is_matryoshka") or dims),
         matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None,
         source=source,
+        classifier=classifier,
     )
 
 

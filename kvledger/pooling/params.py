@@ -11,21 +11,32 @@ from dataclasses import dataclass
 from kvledger.errors import InvalidRequestError
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# vLLM's pooling tasks served here: a vector (embed), a classifier's label probabilities
+# (classify), or a cross-encoder's one relevance score for a text pair (score).
+POOLING_TASKS = ("embed", "classify", "score")
+ACTIVATIONS = ("softmax", "sigmoid", "identity")  # what a classifier's logits go through
 
 
 @dataclass(slots=True)
 class PoolingParams:
     """``dimensions``: Matryoshka truncation (models that support it only); ``normalize``: L2
-    normalise the pooled vector (None: the model's pooler config decides)."""
+    normalise the pooled vector (None: the model's pooler config decides); ``use_activation``:
+    classify / score through the model's activation (None: yes, vLLM's default)."""
 
     dimensions: int | None = None
     normalize: bool | None = None
     task: str = "embed"
     pooling_type: str | None = None  # LAST | MEAN | CLS; None until the engine resolves it
+    use_activation: bool | None = None
+    activation: str | None = None  # ACTIVATIONS; set by the engine for classify / score
 
     def verify(self) -> None:
-        if self.task != "embed":
-            raise InvalidRequestError(f"pooling task {self.task!r} is not supported; only 'embed' is")
+        if self.task not in POOLING_TASKS:
+            raise InvalidRequestError(
+                f"pooling task {self.task!r} is not supported; one of {', '.join(POOLING_TASKS)}"
+            )
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise InvalidRequestError(f"use_activation must be true or false, got {self.use_activation!r}")
         if self.dimensions is not None and (
             isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int) or self.dimensions < 1
         ):

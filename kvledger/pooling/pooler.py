@@ -4,13 +4,14 @@ A pooling request is prefill only, and chunked prefill may split its prompt over
 what a pool needs is kept between them, per request: LAST needs only the final chunk's last
 row; MEAN a running float32 sum over every chunk's rows; CLS the first chunk's first row. A
 chunk starting at position 0 (a first admission, or a recompute after preemption) starts the
-request afresh. The vector is then cut to ``dimensions`` (Matryoshka) and L2-normalised, and
-leaves as a list of floats (plain data, like the sampled tokens).
+request afresh. The vector is then cut to ``dimensions`` (Matryoshka) and L2-normalised, or,
+for classify / score, goes through the model's ``score`` head and its activation; it leaves as a
+list of floats (plain data, like the sampled tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +34,12 @@ class PoolingAccumulator:
         self,
         hidden: torch.Tensor,
         batch: Sequence[tuple[str, PoolingParams, int, int, int, int]],
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> dict[str, list[float]]:
         """``batch``: (request id, params, first flat row, rows this step, rows computed
         before, prompt length) of each pooling request in the step; it is done when its last
-        prompt row is among them. Returns the finished requests' vectors."""
+        prompt row is among them. ``head``: a classifier's ``score``. Returns the finished
+        requests' vectors."""
         done: dict[str, list[float]] = {}
         for rid, params, first, count, start, prompt_len in batch:
             rows = hidden[first : first + count]
@@ -57,12 +60,23 @@ class PoolingAccumulator:
                 vec = self.partial.pop(rid) / prompt_len
             else:
                 vec = self.partial.pop(rid)
-            done[rid] = finish_vector(vec, params)
+            done[rid] = finish_vector(vec, params, head)
         return done
 
 
-def finish_vector(vec: torch.Tensor, params: PoolingParams) -> list[float]:
-    """Matryoshka truncation, then normalisation (vLLM's order: truncate, then normalise)."""
+def finish_vector(
+    vec: torch.Tensor, params: PoolingParams, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> list[float]:
+    """Matryoshka truncation, then normalisation (vLLM's order: truncate, then normalise); a
+    classifier's logits through its activation."""
+    if params.task != "embed":
+        assert head is not None, "classify / score on a model without a score head"
+        logits = head(vec.to(head.weight.dtype)).float()  # type: ignore[attr-defined]
+        if params.activation == "softmax":
+            logits = logits.softmax(dim=-1)
+        elif params.activation == "sigmoid":
+            logits = logits.sigmoid()
+        return logits.cpu().tolist()
     if params.dimensions is not None:
         vec = vec[: params.dimensions]
     if params.normalize:

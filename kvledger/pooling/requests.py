@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvledger.errors import InvalidRequestError
+from kvledger.errors import ConfigError, InvalidRequestError
+from kvledger.hf.config import model_head
 from kvledger.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics
 from kvledger.pooling.params import PoolingParams
 from kvledger.sampling_params import RequestOutputKind, SamplingParams
@@ -29,13 +30,23 @@ def check_runner(pooler: PoolerConfig | None, params: object) -> None:
     rule); the error names the runner to start instead."""
     if pooler is not None and not isinstance(params, PoolingParams):
         raise InvalidRequestError(
-            "this model runs with the pooling runner (runner='pooling'): it embeds prompts "
-            "(LLM.embed, /v1/embeddings) and does not generate text"
+            "this model runs with the pooling runner (runner='pooling'): it pools prompts "
+            f"({', '.join(pooler.tasks)}: LLM.{pooler.tasks[0]}) and does not generate text"
         )
     if pooler is None and isinstance(params, PoolingParams):
         raise InvalidRequestError(
             "embedding needs the pooling runner: start the model with runner='pooling' "
             "(kvledger serve --runner pooling); this one runs the generate runner"
+        )
+
+
+def check_generates(hf_config: dict) -> None:
+    """The generate runner needs an LM head: a classifier or a bare decoder is refused by name."""
+    if model_head(hf_config) != "lm":
+        arch = (hf_config.get("architectures") or ["this model"])[0]
+        raise ConfigError(
+            f"{arch} has no LM head and cannot generate text; serve it with runner='pooling' "
+            "(kvledger serve --runner pooling)"
         )
 
 

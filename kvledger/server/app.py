@@ -2,9 +2,10 @@
 
 The endpoints live one family per module: serving_completion (/v1/completions), serving_chat
 (/v1/chat/completions), serving_messages (Anthropic's /v1/messages) and serving_responses
-(OpenAI's /v1/responses), both over the chat path of chat_run, serving_embedding
-(/v1/embeddings, pooling runner), ops (health, version, models, ledger, metrics, tokenize), worker_info (what routers such as
-sglang-router read from a worker), with what
+(OpenAI's /v1/responses), both over the chat path of chat_run; the pooling runner's
+serving_embedding (/v1/embeddings), serving_classify (/classify, /pooling) and serving_score
+(/score, /rerank), over pooling_inputs; ops (health, version, models, ledger, metrics,
+tokenize), worker_info (what routers such as sglang-router read from a worker), with what
 they share in serving (ServingContext) and streaming (the one SSE loop). Errors are OpenAI's
 JSON (errors); the guard checks keys and body size before any parsing (guard). Input errors
 are 400s and touch no other request; a 500 means a bug in kvledger.
@@ -112,10 +113,12 @@ def build_app(engine: LLMEngine | AsyncCoreEngine, config: ServerConfig) -> Fast
 
     from kvledger.server.ops import mount_ops
     from kvledger.server.serving_chat import mount_chat
+    from kvledger.server.serving_classify import mount_classify
     from kvledger.server.serving_completion import mount_completions
     from kvledger.server.serving_embedding import mount_embeddings
     from kvledger.server.serving_messages import mount_messages
     from kvledger.server.serving_responses import mount_responses
+    from kvledger.server.serving_score import mount_score
     from kvledger.server.worker_info import mount_worker_info
 
     ctx = ServingContext(aengine, config)
@@ -124,6 +127,8 @@ def build_app(engine: LLMEngine | AsyncCoreEngine, config: ServerConfig) -> Fast
     mount_messages(app, ctx)
     mount_responses(app, ctx)
     mount_embeddings(app, ctx)
+    mount_classify(app, ctx)
+    mount_score(app, ctx)
     mount_ops(app, ctx, metrics)
     mount_worker_info(app, ctx)
     return app

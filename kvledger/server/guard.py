@@ -1,5 +1,6 @@
-"""The ASGI guard in front of the app: API keys on /v1/*, then the body-size limit, before
-any parsing. The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients, vLLM) or as
+"""The ASGI guard in front of the app: API keys on /v1/* and on the unversioned pooling routes
+(/classify, /score, /rerank, /v2/rerank, /pooling: vLLM leaves them open, kvledger does not),
+then the body-size limit, before any parsing. The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients, vLLM) or as
 ``x-api-key: <key>`` (Anthropic's clients)."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import hmac
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvledger.server.errors import error_for
+
+KEYED_PREFIXES = ("/v1", "/v2/", "/classify", "/score", "/rerank", "/pooling")
 
 
 class Guard:
@@ -31,7 +34,7 @@ class Guard:
             return
         headers = dict(scope.get("headers") or [])
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if self.api_keys and path.startswith("/v1") and scope["method"] != "OPTIONS":
+        if self.api_keys and path.startswith(KEYED_PREFIXES) and scope["method"] != "OPTIONS":
             auth = headers.get(b"authorization", b"")
             scheme, _, key = auth.partition(b" ")
             x_key = headers.get(b"x-api-key")

@@ -275,7 +275,7 @@ class ModelRunner:
                 self.overlay.fork(parent, child)
         self._forks.clear()
         if inp.pooling and sample:
-            out.pooler_output = self.pooler.pool_step(hidden, inp.pooling)
+            out.pooler_output = self.pooler.pool_step(hidden, inp.pooling, getattr(self.model, "score", None))
         rows = _logits_rows(inp)
         if not rows:
             return out

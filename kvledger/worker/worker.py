@@ -38,6 +38,7 @@ class Worker:
         self.loaded: LoadedModel = load_model(
             spec.model, dtype=spec.dtype, device=spec.device, max_model_len=spec.max_model_len,
             pack_linear=not sharded, quantization=None if sharded else spec.quantization,
+            hf_overrides=spec.hf_overrides,
         )  # fmt: skip
         model = self.loaded.model
         if sharded:  # shard before packing: the kernels see each rank's own matrices
