@@ -114,9 +114,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     tools = llamacpp_dir()
-    for t in ("llama-bench", "llama-quantize"):
-        if not (tools / "bin" / t).exists():
-            sys.exit(f"{tools / 'bin' / t} is missing: run bash benchmarks/setup_llamacpp.sh")
+    if not (tools / "bin" / "llama-bench").exists():
+        sys.exit(f"{tools / 'bin' / 'llama-bench'} is missing: run bash benchmarks/setup_llamacpp.sh")
     print_header(f"kvledger vs llama.cpp on the same GGUF files ({a.model}, {a.threads} thread(s))")
     files = gguf_files(a.model, a.formats.split(","), tools)
     tokenizer = files[next(iter(files))].parent / "hf"

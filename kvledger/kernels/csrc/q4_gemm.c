@@ -96,6 +96,7 @@ static inline vq q_zeros(const uint8_t *z, int h) {
 }
 static inline vq q_sub_mul(vq d, vq z, int32_t s) { return _mm512_sub_epi32(d, _mm512_mullo_epi32(z, _mm512_set1_epi32(s))); }
 static inline vq q_sub(vq d, int32_t s) { return _mm512_sub_epi32(d, _mm512_set1_epi32(s)); }
+static inline vq q_add(vq a, vq b) { return _mm512_add_epi32(a, b); }
 static inline vf q_tofloat(vq d) { return _mm512_cvtepi32_ps(d); }
 static inline void q_store(int32_t *p, vq v) { _mm512_storeu_si512((void *)p, v); }
 #else
@@ -119,6 +120,7 @@ static inline vq q_zeros(const uint8_t *z, int h) {
 }
 static inline vq q_sub_mul(vq d, vq z, int32_t s) { return _mm256_sub_epi32(d, _mm256_mullo_epi32(z, _mm256_set1_epi32(s))); }
 static inline vq q_sub(vq d, int32_t s) { return _mm256_sub_epi32(d, _mm256_set1_epi32(s)); }
+static inline vq q_add(vq a, vq b) { return _mm256_add_epi32(a, b); }
 static inline vf q_tofloat(vq d) { return _mm256_cvtepi32_ps(d); }
 #endif
 
@@ -139,24 +141,31 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, co
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *wg = wt + g * (TR * G * BITS / 8);
         for (int h = 0; h < NH; h++) {
-            vq d[4];
-            for (int m = 0; m < MM; m++) d[m] = q_zero();
+            /* Two integer accumulators a row (summed at the group's end, exactly): each dot
+             * product waits on the one before it in its chain, so one chain would leave the
+             * decode (one-row) loop bound by vpdpbusd's latency, not by the weights' traffic. */
+            vq d[4], e[4];
+            for (int m = 0; m < MM; m++) d[m] = e[m] = q_zero();
             if (BITS == 4) {
                 for (int v = 0; v < 4; v++) {
                     const vq w = q_load(wg + 64 * v, h), lo = q_lo(w), hi = q_hi(w);
                     for (int m = 0; m < MM; m++) {
                         const int8_t *xg = xq + m * K + g * G + 4 * v;
-                        d[m] = q_dot(q_dot(d[m], lo, q_bcast(xg)), hi, q_bcast(xg + 16));
+                        d[m] = q_dot(d[m], lo, q_bcast(xg));
+                        e[m] = q_dot(e[m], hi, q_bcast(xg + 16));
                     }
                 }
             } else { /* 8 vectors of 16 rows x 4 columns, codes + 128 */
-                for (int v = 0; v < 8; v++) {
-                    const vq w = q_load(wg + 64 * v, h);
-                    for (int m = 0; m < MM; m++)
-                        d[m] = SIGNED8 ? q_dot_signed(d[m], w, q_bcast(xq + m * K + g * G + 4 * v))
-                                       : q_dot(d[m], w, q_bcast(xq + m * K + g * G + 4 * v));
+                for (int v = 0; v < 8; v += 2) {
+                    const vq w0 = q_load(wg + 64 * v, h), w1 = q_load(wg + 64 * (v + 1), h);
+                    for (int m = 0; m < MM; m++) {
+                        const int8_t *xg = xq + m * K + g * G + 4 * v;
+                        d[m] = SIGNED8 ? q_dot_signed(d[m], w0, q_bcast(xg)) : q_dot(d[m], w0, q_bcast(xg));
+                        e[m] = SIGNED8 ? q_dot_signed(e[m], w1, q_bcast(xg + 4)) : q_dot(e[m], w1, q_bcast(xg + 4));
+                    }
                 }
             }
+            for (int m = 0; m < MM; m++) d[m] = q_add(d[m], e[m]);
             if (BITS == 4 && wm) { /* Q4_K: w = nibble x scale - min, float32 scales and mins */
                 const vf sw = vload((const float *)ws + g * TR + h * VW), mn = vload(wm + g * TR + h * VW);
                 for (int m = 0; m < MM; m++) {
