@@ -3,12 +3,14 @@
 stories260k converted by llama.cpp's ``convert_hf_to_gguf.py`` (F32), then ``llama-quantize``d
 to Q8_0 and Q4_0 (cached in bench_out/gguf/stories260k/). The text: quant_quality.py's held-out
 stories (never used by the tests), repeated to 8 chunks. Both engines score it with
-llama-perplexity's protocol: the text tokenized once with BOS, cut into chunks of ``--ctx``
+llama-perplexity's protocol: the text tokenized once with BOS by llama.cpp (``llama-tokenize``;
+kvledger scores those very ids), cut into chunks of ``--ctx``
 tokens, each chunk's first token replaced by BOS, and only the second half of each chunk scored
 (every position from ctx/2 on predicts its next token); perplexity = exp(mean NLL).
 
 - llama.cpp: ``llama-perplexity -m FILE -f TEXT -c CTX -b CTX -t 1`` ("Final estimate: PPL");
-- kvledger: ``LLM(FILE)`` (float32 activations) with ``prompt_logprobs``, chunk by chunk.
+- kvledger: ``LLM(FILE)`` with ``prompt_logprobs``, chunk by chunk: float32 (the exact dequantised
+  weights), and bf16 (Q8_0 / Q4_0 multiplied with int8 activations per 32, as llama.cpp does).
 
     python -m benchmarks.ppl_vs_llamacpp [--ctx 128] [--formats F32,Q8_0,Q4_0]
 """
@@ -16,6 +18,7 @@ tokens, each chunk's first token replaced by BOS, and only the second half of ea
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import subprocess
@@ -55,20 +58,26 @@ def llamacpp_ppl(tools: Path, f: Path, text: Path, ctx: int) -> tuple[float, int
     return float(m.group(1)), int(chunks.group(1)) if chunks else -1
 
 
-def kvledger_ppl(f: Path, text: str, ctx: int) -> tuple[float, int]:
+def llamacpp_ids(tools: Path, f: Path, text: Path) -> list[int]:
+    """The text as llama.cpp tokenizes it (llama-tokenize, with BOS): both engines score the very
+    same tokens (a whole file tokenized at once differs from the HF tokenizer's in places)."""
+    out = subprocess.run([str(tools / "bin" / "llama-tokenize"), "-m", str(f), "-f", str(text), "--ids",
+                          "--log-disable"], capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def kvledger_ppl(f: Path, ids: list[int], ctx: int, dtype: str = "float32") -> tuple[float, int]:
     from kvledger import LLM, SamplingParams
 
-    llm = LLM(str(f), tokenizer=str(STORIES), dtype="float32", calibrate_preemption=False,
+    llm = LLM(str(f), tokenizer=str(STORIES), dtype=dtype, calibrate_preemption=False,
               enable_prefix_caching=False)  # fmt: skip
-    tok = llm.get_tokenizer()
-    ids = tok.encode(text)  # with BOS, as llama-perplexity tokenizes
     bos = ids[0]
     sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
     nll, n, chunks = 0.0, 0, len(ids) // ctx
     for c in range(chunks):
         chunk = [bos, *ids[c * ctx + 1 : (c + 1) * ctx]]
         out = llm.generate([{"prompt_token_ids": chunk}], sp, use_tqdm=False)[0]
-        for pos in range(ctx // 2, ctx):  # logits at pos-1 predict chunk[pos]
+        for pos in range(ctx // 2 + 1, ctx):  # logits at pos-1 predict chunk[pos], as llama-perplexity
             nll -= out.prompt_logprobs[pos][chunk[pos]].logprob
             n += 1
     return math.exp(nll / n), chunks
@@ -88,11 +97,15 @@ def main() -> None:
     made = files([x for x in a.formats.split(",") if x != "F32"], tools)
     made = {"F32": path.parent / "model.F32.gguf", **made} if "F32" in a.formats.split(",") else made
     path.write_text(text)
-    print(f"{'format':6} | llama.cpp PPL (chunks) | kvledger PPL (chunks) | kvledger / llama.cpp")
+    print(f"{'format':6} | llama.cpp PPL (chunks) | kvledger PPL (chunks) | kvledger / llama.cpp | "
+          "kvledger bf16 (int8 activations) / llama.cpp")
     for fmt, f in made.items():
         ref, rc = llamacpp_ppl(tools, f, path, a.ctx)
-        got, gc = kvledger_ppl(f, text, a.ctx)
-        print(f"{fmt:6} | {ref:13.4f} ({rc:3d})    | {got:12.4f} ({gc:3d})    | {got / ref:.4f}", flush=True)
+        ids = llamacpp_ids(tools, f, path)
+        got, gc = kvledger_ppl(f, ids, a.ctx)
+        bf16, _ = kvledger_ppl(f, ids, a.ctx, "bfloat16")
+        print(f"{fmt:6} | {ref:13.4f} ({rc:3d})    | {got:12.4f} ({gc:3d})    | {got / ref:.4f}               | "
+              f"{bf16:.4f} ({bf16 / ref:.4f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ fi
 VERSION="${LLAMACPP_SDIST:-0.3.36}"
 JOBS="${JOBS:-2}"
 TOOLS=(llama-server llama-cli llama-bench llama-quantize llama-speculative-simple
-       llama-speculative llama-lookup llama-lookup-stats llama-simple)
+       llama-speculative llama-lookup llama-lookup-stats llama-simple llama-perplexity llama-tokenize)
 
 mkdir -p "$DIR"
 if [ ! -f "$DIR/src/CMakeLists.txt" ]; then
