@@ -26,6 +26,20 @@ def test_config_takes_vllms_keys_and_defaults():
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     )
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
+    # vLLM infers draft_model from `model` (and "ngram" as a model is its older spelling).
+    c = SpeculativeConfig.parse({"model": "/some/draft", "num_speculative_tokens": 3})
+    assert (c.method, c.model, c.quantization) == ("draft_model", "/some/draft", None)
+    c = SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 3})
+    assert (c.method, c.model) == ("ngram", None)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 3}).method == "ngram"
+
+
+def test_engine_config_checks_the_draft_quantization():
+    from kvledger.config import EngineConfig
+
+    cfg = {"model": "/d", "num_speculative_tokens": 2, "quantization": "fp4"}
+    with pytest.raises(ConfigError, match=r"speculative_config.quantization must be one of int8"):
+        EngineConfig(model="/m", speculative_config=cfg).validate()
 
 
 @pytest.mark.parametrize(
@@ -48,7 +62,10 @@ def test_config_takes_vllms_keys_and_defaults():
             {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "2"},
             "prompt_lookup_min",
         ),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "model"),
+        ({"method": "ngram", "model": "/some/draft", "num_speculative_tokens": 2}, "model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+        ({"model": "/d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+         "draft_tensor_parallel_size"),
         (
             {"method": "suffix", "suffix_decoding_min_token_prob": 2},
             "suffix_decoding_min_token_prob",

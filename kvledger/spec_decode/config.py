@@ -117,17 +117,11 @@ class SpeculativeConfig:
             )
 
     def _validate_draft(self) -> None:
-        from kvledger.config import QUANTIZATION_METHODS
-
+        """(``quantization``'s value is checked by EngineConfig, with the target's.)"""
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError(
                     "speculative_config.model (the draft model's folder) is required for method draft_model"
-                )
-            if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-                raise ConfigError(
-                    f"speculative_config.quantization must be one of {', '.join(QUANTIZATION_METHODS)} "
-                    f"or null; got {self.quantization!r}"
                 )
         elif self.model is not None or self.quantization is not None:
             key = "model" if self.model is not None else "quantization"

@@ -12,8 +12,9 @@ start of the step the drafter fills them: one forward over the tokens the draft'
 (the bonus token, a fully accepted draft's last token, or the whole context the first time),
 then ``k - 1`` one-token forwards, each writing its K/V into the slots the target verifies in
 the same step. ``computed[rid]`` is how many leading positions hold the draft's KV; it is cut
-back to the target's ``num_computed_tokens`` at every step (a rejected draft's slots are gone
-with the target's), and dropped when a request is preempted (a swap moves the target's KV only,
+back to the verified tokens when the step's verification is known and to the target's
+``num_computed_tokens`` at every step (a rejected draft's slots are gone with the target's),
+and dropped when a request is preempted (a swap moves the target's KV only,
 a recompute starts again). Whatever the draft holds only changes which tokens are proposed; the
 target's verification decides every emitted token.
 """
@@ -39,6 +40,7 @@ class Drafter:
         self.pool = pool
         self.computed: dict[str, int] = {}  # request id -> positions holding the draft's KV
         self.num_forwards = 0  # draft forward passes run (tests and benchmarks read it)
+        self._proposed: dict[str, int] = {}  # this step's speculating requests: their start
 
     def sync(self, so: SchedulerOutput) -> None:
         """Forget what the step message says is gone, before anything runs."""
@@ -84,7 +86,17 @@ class Drafter:
                 drafts[i].append(t)
         for rid, ci, ki in zip(rids, c, k):
             self.computed[rid] = ci + ki  # positions c .. c + k - 1 were written
+        self._proposed = dict(zip(rids, c))
         return dict(zip(rids, drafts))
+
+    def verified(self, accepted: dict[str, list[int]]) -> None:
+        """The step's verification: the draft's KV past the accepted drafts is rolled back
+        with the target's (its slots are the target's, released by the scheduler now)."""
+        for rid, c in self._proposed.items():
+            n = c + 1 + len(accepted.get(rid, ()))
+            if self.computed.get(rid, 0) > n:
+                self.computed[rid] = n
+        self._proposed = {}
 
     def _forward(
         self,

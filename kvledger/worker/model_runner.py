@@ -294,6 +294,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[idx])
         if sample:
             self._consume_logits(inp, logits.float().cpu(), so.grammar_bitmask, out)
+            if out.draft_token_ids:
+                self.drafter.verified(out.spec_token_ids)
         return out
 
     def _consume_logits(
