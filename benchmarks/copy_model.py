@@ -17,8 +17,8 @@ rather than prose: a two-minute model learns an induction head (copy what follow
 token in the document) but not a language; distinct tokens make the copy unambiguous.
 
 The model: 2 layers x 128, 4 heads of 32, tied embeddings, float32, trained with AdamW on
-fresh random tasks of 16-64 tokens (no data set), loss on the rewrite only; the workload's
-documents are longer (100-160 tokens): the copy generalises with the relative positions. Training prints the exact-answer
+fresh random tasks of 16-48 tokens (no data set), loss on the rewrite only; the workload's
+documents are 32-48 tokens (see LO, HI). Training prints the exact-answer
 rate on held-out tasks at the end (written to the folder's ``training.json``).
 """
 
@@ -36,6 +36,10 @@ NAME = "copy-llama-v1"
 SEED = 0
 BOS, EOS = 1, 2
 FIRST_ID = 3  # ids below are <unk>, <s>, </s>
+# Document lengths of training and of the workload (32..HI): a two-layer model trained for
+# minutes copies at the lengths it saw (~75 % of tokens at 16-64 after 500 steps), not longer
+# ones (5 % at 100-160), so the workload stays inside the trained range.
+LO, HI = 16, 48
 
 
 def default_path() -> Path:
@@ -66,7 +70,7 @@ def make_task(rng: random.Random, n: int, marks: dict[str, list[int]], vocab: in
     return prompt, answer
 
 
-def copy_prompts(num: int, seed: int = 1234, lo: int = 100, hi: int = 160):
+def copy_prompts(num: int, seed: int = 1234, lo: int = 32, hi: int = HI):
     """The benchmark's workload: ``num`` tasks (held out from training: another seed)."""
     rng, marks = random.Random(seed), _markers()
     return [make_task(rng, rng.randint(lo, hi), marks) for _ in range(num)]
@@ -83,7 +87,7 @@ def _config():
     )  # fmt: skip
 
 
-def train(out: Path, steps: int, batch: int, threads: int, lo: int = 16, hi: int = 64) -> dict:
+def train(out: Path, steps: int, batch: int, threads: int, lo: int = LO, hi: int = HI) -> dict:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -91,8 +95,8 @@ def train(out: Path, steps: int, batch: int, threads: int, lo: int = 16, hi: int
     torch.set_num_threads(threads)
     rng, marks = random.Random(SEED), _markers()
     model = LlamaForCausalLM(_config())
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.05)
     t0, log = time.perf_counter(), []
     model.train()
     for step in range(steps):
@@ -149,9 +153,9 @@ def ensure(path: Path | None = None, force: bool = False, **kw) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help=f"folder (default <cache>/models/{NAME})")
-    ap.add_argument("--steps", type=int, default=500, help="training steps")
-    ap.add_argument("--batch", type=int, default=32, help="tasks per step")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--steps", type=int, default=1500, help="training steps")
+    ap.add_argument("--batch", type=int, default=16, help="tasks per step")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--force", action="store_true", help="retrain even if the folder exists")
     a = ap.parse_args()
     path = ensure(a.out, a.force, steps=a.steps, batch=a.batch, threads=a.threads)

@@ -15,7 +15,8 @@
 #   --print-dir       print the install dir and exit
 #
 # Layout: $LLAMACPP_DIR/src (the vendored llama.cpp source, incl. convert_hf_to_gguf.py, which
-# needs the `gguf` and `transformers` packages), $LLAMACPP_DIR/build, $LLAMACPP_DIR/bin (tools).
+# needs the `gguf`, `transformers` and `sentencepiece` packages), $LLAMACPP_DIR/build,
+# $LLAMACPP_DIR/bin (tools).
 set -euo pipefail
 
 CACHE_DIR="${KVLEDGER_CACHE_DIR:-${KVLEDGER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvledger}}"
@@ -61,13 +62,18 @@ if [ "${#missing[@]}" -gt 0 ]; then
     done
 fi
 
+# convert_hf_to_gguf.py imports sentencepiece before it looks for a tokenizer.model (a folder
+# with only tokenizer.json, as stories260k, fails without it): one of llama.cpp's own
+# convert requirements.
+python3 -c "import sentencepiece" 2>/dev/null || python3 -m pip install --quiet sentencepiece
+
 python3 - "$DIR" <<'EOF'
 import importlib.util
 import sys
 
-ok = all(importlib.util.find_spec(m) for m in ("gguf", "transformers"))
+ok = all(importlib.util.find_spec(m) for m in ("gguf", "transformers", "sentencepiece"))
 print(f"[setup_llamacpp] convert_hf_to_gguf.py: {sys.argv[1]}/src/convert_hf_to_gguf.py "
-      f"({'gguf and transformers importable' if ok else 'MISSING gguf or transformers'})")
+      f"({'gguf, transformers, sentencepiece importable' if ok else 'MISSING gguf, transformers or sentencepiece'})")
 EOF
 ls "$DIR/bin"
 "$DIR/bin/llama-cli" --version 2>&1 | head -2 || true

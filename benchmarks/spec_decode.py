@@ -233,7 +233,7 @@ def main() -> None:
             (name, [p for p, _ in copy_model.copy_prompts(5, seed)])
             for name, seed in (("tuned", 1234), ("held-out", 4321))
         )
-        max_tokens = 200  # every answer (<= 161 tokens + EOS) ends before
+        max_tokens = 64  # every answer (<= 49 tokens with EOS) ends before
     if a.method == "draft_model":
         if not a.draft:
             ap.error("--method draft_model needs --draft PATH")

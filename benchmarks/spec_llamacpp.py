@@ -174,7 +174,7 @@ def main() -> None:
 
         model = str(copy_model.ensure())
         sets = [(n, [p for p, _ in copy_model.copy_prompts(5, s)]) for n, s in (("tuned", 1234), ("held-out", 4321))]
-        max_tokens = 200
+        max_tokens = 64
     else:
         from tokenizers import Tokenizer
 

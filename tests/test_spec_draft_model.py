@@ -139,6 +139,11 @@ def test_requests_with_a_grammar_decode_one_token_at_a_time(stories_path, pruned
     assert stats(a).num_drafts == 0
 
 
+def test_refuses_a_missing_draft_folder(stories_path, tmp_path):
+    with pytest.raises(ConfigError, match=r"speculative_config.model: the draft model folder .* does not exist"):
+        LLM(str(stories_path), calibrate_preemption=False, speculative_config=draft_cfg(tmp_path / "x"))
+
+
 def test_refuses_a_draft_with_another_vocabulary(stories_path, tmp_path):
     build_hf_model(tiny_config("llama_gqa"), tmp_path)  # vocab 97
     with pytest.raises(ConfigError, match=r"vocabulary has 97 tokens, the target's 512"):
@@ -161,3 +166,33 @@ def test_refuses_a_sliding_window_target(tmp_path):
     build_hf_model(tiny_config("mistral_window"), target)
     with pytest.raises(ConfigError, match="full-attention target"):
         LLM(str(target), calibrate_preemption=False, speculative_config=draft_cfg(target))
+
+
+def test_serve_with_a_draft_model_shows_its_kv_on_the_ledger(stories_path, pruned, plain, tmp_path):
+    """`kvledger serve --speculative-config '{"model": ...}'`: the completion is the offline
+    greedy one; /v1/ledger shows the draft's KV bytes, /metrics its drafts."""
+    import httpx
+
+    from tests.test_server import ServerProcess
+
+    srv = ServerProcess(
+        str(stories_path), "--torch-threads", "1", "--no-dashboard",
+        "--speculative-config", json.dumps(draft_cfg(pruned)), log_path=tmp_path / "server.log",
+    )  # fmt: skip
+    try:
+        srv.wait_ready()
+        body = {"model": str(stories_path), "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        want = plain.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+        led = httpx.get(f"{srv.url}/v1/ledger", timeout=30).json()
+        draft = led["speculation"]["draft_model"]
+        assert draft["kv_bytes_per_token"] == 768 and draft["kv_bytes_per_block"] == 768 * 16
+        assert draft["total_kv_bytes"] == led["total_blocks"] * 768 * 16
+        assert led["bytes_per_token"] == 1280 + 768 and led["used_blocks"] == 0
+        assert led["speculation"]["num_draft_tokens"] > 0 and draft["num_forwards"] > 0
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
+        assert 'vllm:spec_decode_num_draft_tokens_total{engine="0"' in metrics
+    finally:
+        srv.stop()

@@ -103,6 +103,8 @@ def _build(config: EngineConfig, device: torch.device, tokenizer_job: Future) ->
             "speculative_config method draft_model needs tensor_parallel_size 1 (the draft runs "
             "in the engine's one worker)"
         )
+    if draft is not None and not Path(draft.model).is_dir():
+        raise ConfigError(f"speculative_config.model: the draft model folder {draft.model} does not exist")
     spec = WorkerSpec(
         model=config.model, dtype=config.dtype, device=config.device, max_model_len=None,
         block_size=cc.block_size, attention_backend=backend, seed=config.seed,
