@@ -208,3 +208,21 @@ def test_drafts_never_cost_a_request_its_place(stories_path):
     b = LLM(str(stories_path), **kw).generate([prompt], sp, use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.outputs[0].finish_reason == b.outputs[0].finish_reason == "length"
+
+
+def test_a_draft_models_gate_counts_its_forwards():
+    """A draft model's proposal costs k draft forwards: its gate pauses a request whose drafts
+    pay for the verification rows but not for those forwards (~1 accepted of 5), where the
+    draft-free methods' gate would keep it on; a well-accepted draft (4-5 of 5) keeps going."""
+    from kvledger.spec_decode.adaptive import AcceptanceGate
+
+    cheap, draft, good = (AcceptanceGate(), *(AcceptanceGate.for_draft_model(5) for _ in "ab"))
+    for _ in range(20):
+        for gate in (cheap, draft):
+            if gate.allow():
+                gate.record(5, 1)
+        if good.allow():
+            good.record(5, 4 + _ % 2)
+    assert cheap.pause == 0 and cheap.average > 0.9
+    assert draft.backoff > 4  # paused more than once
+    assert good.pause == 0 and good.backoff == 4

@@ -86,7 +86,7 @@ class Speculator:
             )
             return SpecState(index, gate)
         if self.drafts_in_runner:
-            return SpecState(None, gate)
+            return SpecState(None, AcceptanceGate.for_draft_model(self.k) if c.adaptive else None)
         return SpecState(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max), gate)
 
     def on_finished(self, req: Any, num_running: int) -> None:
