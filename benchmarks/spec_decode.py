@@ -198,6 +198,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix", "draft_model"])
     ap.add_argument("--draft", default=None, help="draft model folder for --method draft_model ('self': the model)")
+    ap.add_argument("--draft-layers", default=None,
+                    help="draft = the served model with only these decoder layers, e.g. 0,1,4 (built in bench_out)")
     ap.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
                     help="the draft's on-the-fly weight quantization")
     ap.add_argument("--workload", default="stories", choices=["stories", "copy"],
@@ -235,8 +237,14 @@ def main() -> None:
         )
         max_tokens = 64  # every answer (<= 49 tokens with EOS) ends before
     if a.method == "draft_model":
+        if a.draft_layers:
+            from benchmarks.common import layer_subset_copy
+
+            keep = [int(x) for x in a.draft_layers.split(",")]
+            out = BENCH_OUT / "spec_decode" / f"{Path(MODEL).name}-layers-{'-'.join(map(str, keep))}"
+            a.draft = str(layer_subset_copy(Path(MODEL), out, keep))
         if not a.draft:
-            ap.error("--method draft_model needs --draft PATH")
+            ap.error("--method draft_model needs --draft PATH or --draft-layers")
         spec.update(model=MODEL if a.draft == "self" else a.draft, quantization=a.draft_quantization)
     off, on = _llm(None, a.threads), _llm(spec, a.threads)
     print_header(f"speculative decoding ({a.method}) off vs on, {Path(MODEL).name} ({a.workload}), greedy")

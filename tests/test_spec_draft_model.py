@@ -12,9 +12,10 @@ import random
 
 import pytest
 
+from benchmarks.common import layer_subset_copy
 from kvledger import LLM, SamplingParams
 from kvledger.errors import ConfigError
-from tests.model_factory import build_hf_model, layer_subset_copy, tiny_config
+from tests.model_factory import build_hf_model, tiny_config
 from tests.test_spec_decode import PROMPTS, assert_exercised, outputs, stats
 
 GREEDY = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
