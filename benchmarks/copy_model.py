@@ -153,7 +153,7 @@ def ensure(path: Path | None = None, force: bool = False, **kw) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help=f"folder (default <cache>/models/{NAME})")
-    ap.add_argument("--steps", type=int, default=1500, help="training steps")
+    ap.add_argument("--steps", type=int, default=3000, help="training steps")
     ap.add_argument("--batch", type=int, default=16, help="tasks per step")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--force", action="store_true", help="retrain even if the folder exists")
