@@ -21,7 +21,7 @@ shared cache holds the prompts run before (never an earlier run of the same prom
 
 ``--workload copy``: the copy-heavy workload instead of stories260k: prompts that quote a
 document and ask for it back with one word replaced, served by a small Llama trained to copy
-(benchmarks/copy_model.py builds it, ~6 min of one core the first time); 5 tasks as "tuned" and
+(benchmarks/copy_model.py builds it, ~16 min of one core the first time); 5 tasks as "tuned" and
 5 more as "held-out" (other seeds), greedy until EOS. ``--no-never-hit`` skips part 2.
 ``--llamacpp``: also llama.cpp's n-gram speculation on the same model and prompts, same run
 (benchmarks/spec_llamacpp.py).
