@@ -641,3 +641,32 @@ def run_kvledger(base_args: list[str], a: Any, result_json: Path) -> dict[str, A
         if v is not None:
             args += [flag, str(v)]
     return run_engine_subprocess("benchmarks.kvledger_runner", args, result_json)
+
+
+def layer_subset_copy(src: Path, dst: Path, keep: list[int]) -> Path:
+    """An HF folder of ``src`` with only the decoder layers ``keep`` (renumbered), everything
+    else (tokenizer, embeddings, head) as is: a draft model that agrees with its target often,
+    as a layer-skipping self-draft does."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, dst / f.name)
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if ".layers." in name:
+                i = int(name.split(".layers.")[1].split(".")[0])
+                if i not in keep:
+                    continue
+                name = name.replace(f".layers.{i}.", f".layers.{keep.index(i)}.")
+            out[name] = t
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = len(keep)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

@@ -16,6 +16,15 @@
 Threads: ``--threads`` (default 1; on a shared 2-core VM, 2 spin-waiting OpenMP threads swing
 timings by tens of percent). Results: ``bench_out/spec_decode/result.json``. ``--method suffix``: suffix decoding, whose
 shared cache holds the prompts run before (never an earlier run of the same prompt).
+``--method draft_model --draft PATH [--draft-quantization int8]``: a draft model
+(kvledger/worker/drafter.py); ``--draft self`` is the served model itself.
+
+``--workload copy``: the copy-heavy workload instead of stories260k: prompts that quote a
+document and ask for it back with one word replaced, served by a small Llama trained to copy
+(benchmarks/copy_model.py builds it, ~16 min of one core the first time); 5 tasks as "tuned" and
+5 more as "held-out" (other seeds), greedy until EOS. ``--no-never-hit`` skips part 2.
+``--llamacpp``: also llama.cpp's n-gram speculation on the same model and prompts, same run
+(benchmarks/spec_llamacpp.py).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import BENCH_OUT, machine_info, print_header, save_json
@@ -45,13 +55,20 @@ HELD_OUT = [
 ]
 
 
+MODEL = STORIES  # --workload copy: the copy model's folder
+
+
 def _llm(spec: dict | None, threads: int):
     import torch
 
     from kvledger import LLM
 
     torch.set_num_threads(threads)
-    return LLM(STORIES, calibrate_preemption=False, speculative_config=spec)
+    return LLM(MODEL, calibrate_preemption=False, speculative_config=spec)
+
+
+def _ids(llm, p: str | list[int]) -> list[int]:
+    return list(p) if isinstance(p, list) else llm.llm_engine.tokenize(p)
 
 
 def _timed(llm, prompts: list, params) -> tuple[float, list[list[int]]]:
@@ -88,7 +105,7 @@ def single_stream(
             s, b = _timed(on, [p], sp)
             best_on = min(best_on, s)
             identical &= a == b
-        history.append(off.llm_engine.tokenize(p) + a[0])
+        history.append(_ids(off, p) + a[0])
         t_off += best_off
         t_on += best_on
         tokens += len(a[0])
@@ -179,7 +196,17 @@ def never_a_loss(off, on, streams: int, repeats: int, max_tokens: int) -> dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
+    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix", "draft_model"])
+    ap.add_argument("--draft", default=None, help="draft model folder for --method draft_model ('self': the model)")
+    ap.add_argument("--draft-layers", default=None,
+                    help="draft = the served model with only these decoder layers, e.g. 0,1,4 (built in bench_out)")
+    ap.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
+                    help="the draft's on-the-fly weight quantization")
+    ap.add_argument("--workload", default="stories", choices=["stories", "copy"],
+                    help="stories260k continuations, or the copy-heavy tasks (benchmarks/copy_model.py)")
+    ap.add_argument("--no-never-hit", action="store_true", help="skip the never-a-hit part")
+    ap.add_argument("--llamacpp", action="store_true",
+                    help="also llama.cpp's n-gram speculation, same model and prompts (benchmarks/spec_llamacpp.py)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--min", type=int, default=1, help="prompt_lookup_min")
     ap.add_argument("--max", type=int, default=3, help="prompt_lookup_max")
@@ -189,7 +216,7 @@ def main() -> None:
     ap.add_argument("--no-adaptive", action="store_true", help="turn the adaptive gate off")
     ap.add_argument("--cpu-time", action="store_true", help="time by this process's CPU seconds")
     a = ap.parse_args()
-    global CPU_TIME
+    global CPU_TIME, MODEL
     CPU_TIME = a.cpu_time
     spec: dict[str, Any] = {
         "method": a.method,
@@ -198,23 +225,51 @@ def main() -> None:
     }
     if a.method == "ngram":
         spec.update(prompt_lookup_min=a.min, prompt_lookup_max=a.max)
+    sets: tuple[tuple[str, list], ...] = (("tuned", TUNED), ("held-out", HELD_OUT))
+    max_tokens = a.max_tokens
+    if a.workload == "copy":
+        from benchmarks import copy_model
+
+        MODEL = str(copy_model.ensure())
+        sets = tuple(
+            (name, [p for p, _ in copy_model.copy_prompts(5, seed)])
+            for name, seed in (("tuned", 1234), ("held-out", 4321))
+        )
+        max_tokens = 64  # every answer (<= 49 tokens with EOS) ends before
+    if a.method == "draft_model":
+        if a.draft_layers:
+            from benchmarks.common import layer_subset_copy
+
+            keep = [int(x) for x in a.draft_layers.split(",")]
+            out = BENCH_OUT / "spec_decode" / f"{Path(MODEL).name}-layers-{'-'.join(map(str, keep))}"
+            a.draft = str(layer_subset_copy(Path(MODEL), out, keep))
+        if not a.draft:
+            ap.error("--method draft_model needs --draft PATH or --draft-layers")
+        spec.update(model=MODEL if a.draft == "self" else a.draft, quantization=a.draft_quantization)
     off, on = _llm(None, a.threads), _llm(spec, a.threads)
-    print_header(f"speculative decoding ({a.method}) off vs on, stories260k, greedy")
+    print_header(f"speculative decoding ({a.method}) off vs on, {Path(MODEL).name} ({a.workload}), greedy")
     print(f"date    : {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; spec {spec}")
     print(
         f"timing  : {'CPU' if CPU_TIME else 'wall'} seconds, fastest of {a.repeats} (off and on take turns)"
     )
     result: dict[str, Any] = {"machine": machine_info(), "spec": spec}
     history: list[list[int]] = []  # method suffix: what the shared cache has seen
-    for name, prompts in (("tuned", TUNED), ("held-out", HELD_OUT)):
-        r = result[name] = single_stream(off, on, prompts, a.repeats, a.max_tokens, history)
+    for name, prompts in sets:
+        r = result[name] = single_stream(off, on, prompts, a.repeats, max_tokens, history)
         print(
             f"{name:9s}: 1 stream, {r['prompts']} prompts, {r['tokens']} tokens: off "
             f"{r['off_tok_s']:.0f} tok/s, on {r['on_tok_s']:.0f} tok/s, x{r['ratio']:.2f}; "
             f"{r['tokens'] / max(r['steps_on'], 1):.2f} tokens/step, {r['accepted']}/{r['drafts']} "
             f"accepted/drafts; identical: {r['identical']}"
         )
-    for streams in (1, 64):
+    if a.llamacpp:
+        from benchmarks import spec_llamacpp
+
+        for name, prompts in sets:
+            ids = [_ids(off, p) for p in prompts]
+            r = result[f"llamacpp_{name}"] = spec_llamacpp.compare(MODEL, ids, max_tokens, a.k, a.threads)
+            print(spec_llamacpp.describe(name, r))
+    for streams in () if a.no_never_hit else (1, 64):
         on_miss = _llm(spec, a.threads)
         tokens = 256 if streams == 1 else 128
         r = result[f"never_hit_{streams}"] = never_a_loss(

@@ -172,6 +172,9 @@ class EngineConfig:
             self.runner = "generate"
         if self.runner == "pooling" and self.speculative_config is not None:
             raise ConfigError("speculative_config needs the generate runner: a pooling model never decodes")
+        draft_quant = self.speculative_config and self.speculative_config.quantization
+        if draft_quant:
+            _choice("speculative_config.quantization", draft_quant, QUANTIZATION_METHODS)
         _choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_BACKENDS)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.distributed_executor_backend is not None:

@@ -67,6 +67,8 @@ def no_leaked_blocks():
             if runner.overlay is not None:
                 assert not runner.overlay.states, "overlay slots leaked"
             assert not runner.pooler.partial, f"partial pools leaked: {list(runner.pooler.partial)}"
+            if runner.drafter is not None:
+                assert not runner.drafter.computed, "draft-model KV states leaked"
 
 
 @pytest.fixture(scope="session")

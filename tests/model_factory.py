@@ -283,3 +283,4 @@ class PagedDriver:
             if len(out) >= max_new_tokens or tok in stop_ids:
                 return out
             logits = self.step([(rid, [tok])])
+

@@ -26,6 +26,20 @@ def test_config_takes_vllms_keys_and_defaults():
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     )
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
+    # vLLM infers draft_model from `model` (and "ngram" as a model is its older spelling).
+    c = SpeculativeConfig.parse({"model": "/some/draft", "num_speculative_tokens": 3})
+    assert (c.method, c.model, c.quantization) == ("draft_model", "/some/draft", None)
+    c = SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 3})
+    assert (c.method, c.model) == ("ngram", None)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 3}).method == "ngram"
+
+
+def test_engine_config_checks_the_draft_quantization():
+    from kvledger.config import EngineConfig
+
+    cfg = {"model": "/d", "num_speculative_tokens": 2, "quantization": "fp4"}
+    with pytest.raises(ConfigError, match=r"speculative_config.quantization must be one of int8"):
+        EngineConfig(model="/m", speculative_config=cfg).validate()
 
 
 @pytest.mark.parametrize(
@@ -48,7 +62,10 @@ def test_config_takes_vllms_keys_and_defaults():
             {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "2"},
             "prompt_lookup_min",
         ),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "model"),
+        ({"method": "ngram", "model": "/some/draft", "num_speculative_tokens": 2}, "model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+        ({"model": "/d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+         "draft_tensor_parallel_size"),
         (
             {"method": "suffix", "suffix_decoding_min_token_prob": 2},
             "suffix_decoding_min_token_prob",
@@ -191,3 +208,21 @@ def test_drafts_never_cost_a_request_its_place(stories_path):
     b = LLM(str(stories_path), **kw).generate([prompt], sp, use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.outputs[0].finish_reason == b.outputs[0].finish_reason == "length"
+
+
+def test_a_draft_models_gate_counts_its_forwards():
+    """A draft model's proposal costs k draft forwards: its gate pauses a request whose drafts
+    pay for the verification rows but not for those forwards (~1 accepted of 5), where the
+    draft-free methods' gate would keep it on; a well-accepted draft (4-5 of 5) keeps going."""
+    from kvledger.spec_decode.adaptive import AcceptanceGate
+
+    cheap, draft, good = (AcceptanceGate(), *(AcceptanceGate.for_draft_model(5) for _ in "ab"))
+    for _ in range(20):
+        for gate in (cheap, draft):
+            if gate.allow():
+                gate.record(5, 1)
+        if good.allow():
+            good.record(5, 4 + _ % 2)
+    assert cheap.pause == 0 and cheap.average > 0.9
+    assert draft.backoff > 4  # paused more than once
+    assert good.pause == 0 and good.backoff == 4

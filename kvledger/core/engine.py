@@ -229,6 +229,8 @@ class LLMEngine:
             for d in lps:
                 self.outputs.decode_logprobs(d)
             self.scheduler.requests[rid].prompt_logprobs.extend(lps)
+        for rid, drafts in ro.draft_token_ids.items():  # a draft model's, for the placeholders
+            self.scheduler.requests[rid].spec_token_ids = drafts
         spec = ro.spec_token_ids
         for req in self.scheduler.update_from_output(
             so, ro.sampled, now, self._fork_children, spec
@@ -347,4 +349,17 @@ class LLMEngine:
         spec = self.scheduler.speculator
         if spec is None:
             return None
-        return spec.stats.ledger_row(self.kv.bytes_per_token, self.kv.bytes_per_block)
+        row = spec.stats.ledger_row(self.kv.bytes_per_token, self.kv.bytes_per_block)
+        draft = self.facts.draft_bytes_per_token
+        if draft:  # the draft model's KV: its share of every block (worker/drafter.py)
+            block = draft * self.kv.block_size
+            row["draft_model"] = {
+                "model": str(self.config.speculative_config.model),
+                "kv_bytes_per_token": draft,
+                "kv_bytes_per_block": block,
+                "used_kv_bytes": self.kv.num_used_blocks * block,
+                "total_kv_bytes": self.kv.pool.num_blocks * block,
+                "weight_bytes": self.executor.ranks[0].draft_weight_bytes,
+                "num_forwards": self.executor.stats().draft_forwards,
+            }
+        return row

@@ -16,6 +16,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -67,6 +68,8 @@ class ModelFacts:
     calibration: dict | None = None  # what the start-up calibration measured
     # The folder's generation_config.json sampling defaults (generation_config="auto").
     default_sampling_params: dict = field(default_factory=dict)
+    # Speculation with a draft model: of bytes_per_token, the draft's KV (0: no draft model).
+    draft_bytes_per_token: int = 0
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -93,10 +96,21 @@ def _build(config: EngineConfig, device: torch.device, tokenizer_job: Future) ->
     # Resolved before the weights load, so a bad choice fails fast with its reason.
     backend = resolve_attention_backend(config.attention_backend, device)
     tp, sc, cc = config.tensor_parallel_size, config.scheduler, config.cache
+    draft = config.speculative_config
+    draft = draft if draft is not None and draft.method == "draft_model" else None
+    if draft is not None and tp > 1:
+        raise ConfigError(
+            "speculative_config method draft_model needs tensor_parallel_size 1 (the draft runs "
+            "in the engine's one worker)"
+        )
+    if draft is not None and not Path(draft.model).is_dir():
+        raise ConfigError(f"speculative_config.model: the draft model folder {draft.model} does not exist")
     spec = WorkerSpec(
         model=config.model, dtype=config.dtype, device=config.device, max_model_len=None,
         block_size=cc.block_size, attention_backend=backend, seed=config.seed,
         quantization=config.quantization, hf_overrides=config.hf_overrides,
+        draft_model=None if draft is None else draft.model,
+        draft_quantization=None if draft is None else draft.quantization,
     )  # fmt: skip
     worker = None
     if tp == 1:
@@ -107,6 +121,9 @@ def _build(config: EngineConfig, device: torch.device, tokenizer_job: Future) ->
             config.model, dtype=config.dtype, device=config.device, weights=False, hf_overrides=config.hf_overrides
         )
     facts = _model_facts(config, loaded, device)
+    if worker is not None and worker.draft is not None:
+        facts.draft_bytes_per_token = _draft_bytes_per_token(config, facts, worker.draft, loaded)
+        facts.bytes_per_token += facts.draft_bytes_per_token
     facts.default_sampling_params = generation_defaults(config.model, config.generation_config)
     if facts.default_sampling_params:
         logger.info(
@@ -203,6 +220,60 @@ def _model_facts(config: EngineConfig, loaded: LoadedModel, device: torch.device
         bytes_per_token=bytes_per_token,
         scale_bytes_per_token=kv_bytes.scale_bytes,
     )
+
+
+def _draft_bytes_per_token(
+    config: EngineConfig, facts: ModelFacts, draft: LoadedModel, target: LoadedModel
+) -> int:
+    """The draft model's KV bytes per token slot, after refusing a draft that cannot propose
+    for this target: another vocabulary (its token ids would mean other tokens), a shorter
+    context, sliding windows or LongRoPE (its blocks follow the target's full-attention
+    tables)."""
+    name = f"speculative_config.model {draft.path}"
+    dv, tv = draft.config.vocab_size, target.config.vocab_size
+    if dv != tv:
+        raise ConfigError(
+            f"{name}: the draft's vocabulary has {dv} tokens, the target's {tv}; a draft model "
+            "must share the target's tokenizer"
+        )
+    mismatch = _tokenizer_mismatch(draft.path, target.path)
+    if mismatch:
+        raise ConfigError(f"{name}: {mismatch}; a draft model must share the target's tokenizer")
+    if draft.max_model_len < facts.max_model_len:
+        raise ConfigError(
+            f"{name}: the draft's context is {draft.max_model_len} tokens, shorter than "
+            f"max_model_len {facts.max_model_len}; lower max_model_len"
+        )
+    if facts.kv_layout.is_hybrid or any(w is not None for w in facts.spec.layer_windows):
+        raise ConfigError(
+            "speculative_config method draft_model needs a full-attention target (no sliding windows)"
+        )
+    dspec = ModelSpec.from_hf_config(draft.hf_config, name=str(draft.path))
+    if any(w is not None for w in dspec.layer_windows) or _rope_long_from(draft) is not None:
+        raise ConfigError(f"{name}: a draft with sliding windows or LongRoPE is not supported")
+    if _rope_long_from(target) is not None:
+        raise ConfigError("speculative_config method draft_model does not support a LongRoPE target")
+    return kv_bytes_per_token(replace(dspec, dtype=_TORCH_DTYPE_NAMES[draft.dtype]), _plan_kv_dtype("auto", draft.dtype)).total
+
+
+def _tokenizer_mismatch(draft: Path, target: Path) -> str | None:
+    """Why two folders' tokenizer.json vocabularies differ (None: same, or one has none)."""
+    import json
+
+    vocabs = []
+    for folder in (draft, target):
+        f = folder / "tokenizer.json"
+        if not f.is_file():
+            return None
+        tok = json.loads(f.read_text())
+        added = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+        vocabs.append((tok.get("model", {}).get("vocab"), added))
+    (dv, da), (tv, ta) = vocabs
+    if dv != tv:
+        return "its tokenizer.json vocabulary differs from the target's"
+    if da != ta:
+        return "its tokenizer.json added tokens differ from the target's"
+    return None
 
 
 def _plan_overlay(config: EngineConfig, facts: ModelFacts) -> tuple[int, int]:

@@ -26,6 +26,11 @@ FIRST_AVERAGE = 0.4  # accepted drafts per verification assumed at the start
 # rows per request cost 1.15-1.4 decode steps; docs/benchmarks.md, "Speculative decoding").
 MIN_ACCEPTED = 0.3
 PROBE_MARGIN = 0.05
+# A draft model's proposal costs k forwards of the draft besides the verification: the line is
+# raised by this many decode steps per drafted token (stories260k, 2-core EPYC: a forward of the
+# target itself in int8, or of 3 of its 5 layers, cost 0.5-0.7 of a whole decode step, most of
+# it per-call overhead; docs/benchmarks.md, "Speculative decoding").
+DRAFT_FORWARD_COST = 0.5
 FIRST_BACKOFF = 4
 MAX_BACKOFF = 256
 
@@ -35,6 +40,13 @@ class AcceptanceGate:
     average: float = FIRST_AVERAGE  # moving average of accepted drafts per verification
     pause: int = 0  # steps left without proposing
     backoff: int = FIRST_BACKOFF
+    min_accepted: float = MIN_ACCEPTED  # the line (raised for a draft model: ``for_draft_model``)
+
+    @classmethod
+    def for_draft_model(cls, k: int) -> AcceptanceGate:
+        """A gate whose line includes the k draft forwards a proposal costs."""
+        line = MIN_ACCEPTED + DRAFT_FORWARD_COST * k
+        return cls(average=line + 2 * PROBE_MARGIN, min_accepted=line)
 
     def allow(self) -> bool:
         """Whether the request may propose this step (counts a paused step down)."""
@@ -46,11 +58,11 @@ class AcceptanceGate:
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """A verified draft: update the average; pause when it falls too low."""
         self.average += EMA_WEIGHT * (num_accepted - self.average)
-        if self.average < MIN_ACCEPTED:
+        if self.average < self.min_accepted:
             self.pause = self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
             # The probe gets two drafts (0.35 x 0.9^2 < 0.3): hits come in bursts, and a single
             # missed probe of a request that does hit would double its pause.
-            self.average = MIN_ACCEPTED + PROBE_MARGIN
+            self.average = self.min_accepted + PROBE_MARGIN
         elif num_accepted:
             self.backoff = FIRST_BACKOFF

@@ -1,8 +1,9 @@
 """``speculative_config`` (vLLM's keys and meaning), validated once at the edge.
 
 ``LLM(..., speculative_config={...})`` and ``kvledger serve --speculative-config '{json}'`` take
-the same keys as vLLM; a key vLLM has that kvledger does not implement (a draft model, EAGLE)
-is refused by name rather than ignored, so a config never silently means something else.
+the same keys as vLLM; a key vLLM has that kvledger does not implement (EAGLE, a draft under
+tensor parallelism, a tree) is refused by name rather than ignored, so a config never silently
+means something else.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from kvledger.errors import ConfigError
 from kvledger.json_config import json_object, refuse_unknown
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 # Running requests above which no request speculates, when disable_by_batch_size is unset.
 # Measured on stories260k on a 2-core AMD EPYC (docs/benchmarks.md, "Speculative decoding"):
 # a step verifying 1 + 8 rows per request cost 1.15-1.4x a decode step at 1-16 requests, 2.2-2.4x
@@ -20,11 +21,9 @@ METHODS = ("ngram", "suffix")
 DEFAULT_MAX_BATCH = 16
 # vLLM keys refused with a reason (not silently ignored).
 _NOT_IMPLEMENTED = {
-    "model": "a draft model is not implemented (methods: ngram, suffix)",
-    "draft_tensor_parallel_size": "a draft model is not implemented",
-    "quantization": "a draft model is not implemented",
-    "revision": "a draft model is not implemented",
-    "code_revision": "a draft model is not implemented",
+    "draft_tensor_parallel_size": "the draft model runs in the engine's one worker (no tensor parallelism)",
+    "revision": "models are local folders (no hub revisions)",
+    "code_revision": "models are local folders (no hub revisions)",
     "speculative_token_tree": "tree speculation is not implemented",
 }
 
@@ -40,8 +39,15 @@ class SpeculativeConfig:
     (kvledger's): a request whose drafts keep missing stops proposing and probes again later
     (``kvledger.spec_decode.adaptive``)."""
 
-    method: str = "ngram"
+    # None: "draft_model" when ``model`` is given, else "ngram" (vLLM infers the method from
+    # ``model`` the same way).
+    method: str | None = None
     num_speculative_tokens: int | None = None
+    # method "draft_model" (vLLM's keys): the draft's HF folder (same vocabulary as the target)
+    # and its on-the-fly weight quantization (kvledger.config.QUANTIZATION_METHODS; None: as
+    # stored). kvledger.worker.drafter.
+    model: str | None = None
+    quantization: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
@@ -73,6 +79,10 @@ class SpeculativeConfig:
         return cfg
 
     def validate(self) -> None:
+        if self.model in ("ngram", "[ngram]") and self.method is None:  # vLLM's older spelling
+            self.method, self.model = "ngram", None
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
         if self.method == "[ngram]":  # vLLM's older spelling
             self.method = "ngram"
         if self.method not in METHODS:
@@ -81,6 +91,7 @@ class SpeculativeConfig:
             )
         if self.method == "suffix":
             self._validate_suffix()
+        self._validate_draft()
         if self.num_speculative_tokens is None:
             raise ConfigError("speculative_config.num_speculative_tokens is required")
         _int_at_least("num_speculative_tokens", self.num_speculative_tokens, 1)
@@ -103,6 +114,19 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive, bool):
             raise ConfigError(
                 f"speculative_config.adaptive must be true or false, got {self.adaptive!r}"
+            )
+
+    def _validate_draft(self) -> None:
+        """(``quantization``'s value is checked by EngineConfig, with the target's.)"""
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ConfigError(
+                    "speculative_config.model (the draft model's folder) is required for method draft_model"
+                )
+        elif self.model is not None or self.quantization is not None:
+            key = "model" if self.model is not None else "quantization"
+            raise ConfigError(
+                f"speculative_config.{key} is for method draft_model; method {self.method} has no draft model"
             )
 
     def _validate_suffix(self) -> None:

@@ -12,12 +12,17 @@ from kvledger.spec_decode.ngram import NgramIndex
 from kvledger.spec_decode.stats import SpecDecodingStats
 from kvledger.spec_decode.suffix import SuffixCache, SuffixIndex
 
+# Method "draft_model": the scheduler reserves a draft's slots with this placeholder token; the
+# runner's drafter (kvledger.worker.drafter) proposes the real tokens in the same step, before
+# the target verifies them, and the engine hands them back to the request.
+DRAFT_PLACEHOLDER = -1
+
 
 @dataclass(slots=True)
 class SpecState:
     """What a request keeps for speculation (on the Request: it survives preemption)."""
 
-    index: NgramIndex | SuffixIndex  # the proposer's per-request part
+    index: NgramIndex | SuffixIndex | None  # the proposer's per-request part (None: a draft model)
     gate: AcceptanceGate | None
 
 
@@ -43,6 +48,7 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self.stats = SpecDecodingStats(num_spec_tokens=self.k)
+        self.drafts_in_runner = config.method == "draft_model"
         self.shared: SuffixCache | None = None  # method "suffix": finished requests' counts
         if config.method == "suffix":
             self.shared = SuffixCache(
@@ -58,11 +64,17 @@ class Speculator:
         k = min(self.k, max_drafts)
         if k <= 0 or not can_speculate(req):
             return []
+        if self.drafts_in_runner and req.grammar is not None:
+            # A grammar's mask rows are built from the drafts before the step, and a draft
+            # model's drafts only exist inside it: such requests decode one token at a time.
+            return []
         st = req.spec_state
         if st is None:
             st = req.spec_state = self._new_state()
         if st.gate is not None and not st.gate.allow():
             return []
+        if st.index is None:  # the draft model proposes in the runner
+            return [DRAFT_PLACEHOLDER] * k
         return st.index.propose(req.all_token_ids, k)
 
     def _new_state(self) -> SpecState:
@@ -73,6 +85,8 @@ class Speculator:
                 self.shared, c.suffix_decoding_min_token_prob, c.suffix_decoding_max_spec_factor
             )
             return SpecState(index, gate)
+        if self.drafts_in_runner:
+            return SpecState(None, AcceptanceGate.for_draft_model(self.k) if c.adaptive else None)
         return SpecState(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max), gate)
 
     def on_finished(self, req: Any, num_running: int) -> None:

@@ -31,6 +31,10 @@ class WorkerSpec:
     attention_backend: str = "torch"
     quantization: str | None = None  # on-the-fly weight quantization (model/quant_int8.py)
     hf_overrides: dict | None = None  # laid over config.json (vLLM's --hf-overrides)
+    # Speculative decoding with a draft model (worker/drafter.py): its folder and on-the-fly
+    # weight quantization. Its KV pool has the same blocks as the target's.
+    draft_model: str | None = None
+    draft_quantization: str | None = None
     seed: int = 0  # the sampler's generator for unseeded requests
     # Hybrid models (KV cache groups, kvledger.ledger.kv_cache_groups): each model layer's group
     # and pool tensor; the pool then has max(layer_slot) + 1 tensors. None: one tensor per layer.
@@ -62,12 +66,14 @@ class WorkerReady:
     pid: int
     host: str
     num_kv_heads: int  # this rank's KV heads (a replicated head counts on every rank holding it)
-    bytes_per_block: int  # measured on the rank's real pool
+    bytes_per_block: int  # measured on the rank's real pool (a draft model's KV included)
     device_pool_bytes: int
     host_pool_bytes: int
     weight_bytes: int
     gemm_shapes_warmed: int = 0  # GEMMs run at start-up by warm_up_gemm_rows
     gemm_dispatch: str = ""  # which kernel takes which rows (GemmDispatch.describe), CPU only
+    draft_bytes_per_block: int = 0  # of bytes_per_block, the draft model's KV
+    draft_weight_bytes: int = 0
 
 
 @dataclass
@@ -83,6 +89,7 @@ class WorkerStats:
     sink_cache_hits: int = 0
     sink_cache_misses: int = 0
     device_memory: dict | None = None
+    draft_forwards: int = 0  # a draft model's forward passes so far (worker/drafter.py)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,6 +45,9 @@ class ModelRunnerOutput:
     # the token after them) and their logprobs.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # A draft model's drafts this step (worker/drafter.py), which the scheduler only knew as
+    # placeholders: the engine gives them to their requests before the update.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     pooler_output: dict[str, list[float]] = field(default_factory=dict)  # pooling requests done
     swap_out_seconds: float = 0.0
@@ -83,11 +86,13 @@ class ModelRunner:
         layer_caches: list | None = None,
         rope_long_from: int | None = None,
         graphs=None,
+        drafter=None,
     ) -> None:
         """``layer_group``: a hybrid model's group of each layer (None: one group), and
         ``layer_caches`` each layer's cache (shared tensors when grouped); ``rope_long_from``:
         LongRoPE's switch point (Scheduler.rope_long_from); ``graphs``: CUDA graphs of decode
-        steps (kvledger.worker.cuda_graphs)."""
+        steps (kvledger.worker.cuda_graphs); ``drafter``: a draft model's proposer
+        (kvledger.worker.drafter)."""
         self.model = model
         self.kv_pool = kv_pool
         self.host_pool = host_pool
@@ -102,6 +107,7 @@ class ModelRunner:
         self.rope_long_from = rope_long_from
         self.generator = torch.Generator().manual_seed(seed)
         self.graphs = graphs
+        self.drafter = drafter
         self._forks: list[tuple[str, str]] = []  # n > 1 (parent, child) forked this step
         self.pooler = PoolingAccumulator()  # pooling requests' partial pools across chunks
         # Quantised KV with sinks / a recent window: which full-precision overlay slot each
@@ -252,6 +258,11 @@ class ModelRunner:
         out = ModelRunnerOutput()
         self.update_states(so)
         self.apply_block_ops(so, out)
+        if self.drafter is not None:
+            self.drafter.sync(so)
+            if so.req_ids and self.drafter.wanted(so):
+                out.draft_token_ids = self.drafter.propose(self, so)
+                so = replace(so, spec_token_ids={**so.spec_token_ids, **out.draft_token_ids})
         if not so.req_ids:
             return out
         inp = self.prepare(so)
@@ -283,6 +294,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[idx])
         if sample:
             self._consume_logits(inp, logits.float().cpu(), so.grammar_bitmask, out)
+            if out.draft_token_ids:
+                self.drafter.verified(out.spec_token_ids)
         return out
 
     def _consume_logits(

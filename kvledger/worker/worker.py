@@ -17,6 +17,7 @@ from kvledger.model.layers import can_pack_linear, warm_up_gemm_shapes
 from kvledger.model.loader import LoadedModel, load_model
 from kvledger.storage import host_memory
 from kvledger.storage.kv_cache import HostKVPool, KVCachePool
+from kvledger.worker.drafter import Drafter
 from kvledger.worker.messages import WorkerReady, WorkerSpec, WorkerStats
 from kvledger.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -54,6 +55,13 @@ class Worker:
 
             model.attn_backend = TritonAttentionBackend()
         self.model = model
+        self.draft: LoadedModel | None = None
+        if spec.draft_model is not None:  # the draft is small: it runs unsharded, beside the target
+            self.draft = load_model(
+                spec.draft_model, dtype=spec.dtype, device=spec.device,
+                max_model_len=spec.max_model_len, quantization=spec.draft_quantization,
+            )  # fmt: skip
+        self.drafter: Drafter | None = None
         self.kv_pool: KVCachePool | None = None
         self.host_pool: HostKVPool | None = None
         self.runner: ModelRunner | None = None
@@ -86,6 +94,18 @@ class Worker:
         )
         if spec.num_host_blocks:
             self.host_pool = HostKVPool(spec.num_host_blocks, pool)
+        draft_block_bytes = 0
+        if self.draft is not None:  # the draft's KV: its own tensors over the same block ids
+            d_attn = self.draft.model.model.layers[0].self_attn
+            draft_pool = KVCachePool(
+                num_layers=len(self.draft.model.model.layers), num_blocks=spec.num_blocks,
+                block_size=spec.block_size, num_kv_heads=d_attn.num_kv_heads,
+                head_dim=d_attn.head_dim, dtype=self.draft.dtype, device=self.device,
+            )  # fmt: skip
+            if spec.populate_kv_cache and self.device.type == "cpu":
+                draft_pool.populate()
+            self.drafter = Drafter(self.draft.model, draft_pool)
+            draft_block_bytes = draft_pool.bytes_per_block
         layer_caches = (
             pool.layers if spec.layer_slot is None else [pool.layers[j] for j in spec.layer_slot]
         )
@@ -111,18 +131,22 @@ class Worker:
             model, pool, self.host_pool, spec.block_size, self.device, seed=spec.seed,
             eos_token_ids=tuple(self.loaded.eos_token_ids), layer_group=spec.layer_group,
             layer_caches=layer_caches, rope_long_from=spec.rope_long_from, graphs=graphs,
+            drafter=self.drafter,
         )  # fmt: skip
         self.ready = WorkerReady(
             rank=self.rank,
             pid=os.getpid(),
             host=socket.gethostname(),
             num_kv_heads=attn.num_kv_heads,
-            bytes_per_block=pool.bytes_per_block,
-            device_pool_bytes=pool.data.numel() * pool.data.element_size(),
+            bytes_per_block=pool.bytes_per_block + draft_block_bytes,
+            device_pool_bytes=pool.data.numel() * pool.data.element_size()
+            + spec.num_blocks * draft_block_bytes,
             host_pool_bytes=0 if self.host_pool is None else self.host_pool.data.numel(),
             weight_bytes=_tensor_bytes(model.parameters()),
             gemm_shapes_warmed=warmed,
             gemm_dispatch=dispatch,
+            draft_bytes_per_block=draft_block_bytes,
+            draft_weight_bytes=0 if self.draft is None else _tensor_bytes(self.draft.model.parameters()),
         )
         return self.ready
 
@@ -134,6 +158,8 @@ class Worker:
     def stats(self) -> WorkerStats:
         pool, ov = self.kv_pool, self.runner.overlay
         st = WorkerStats(overlay_slots=pool.overlay_slots, overlay_bytes=pool.overlay_bytes)
+        if self.drafter is not None:
+            st.draft_forwards = self.drafter.num_forwards
         if ov is not None:
             st.overlay_slots_used = ov.num_used
             st.sink_cache_entries = len(ov.sink_cache)
