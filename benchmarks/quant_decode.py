@@ -14,8 +14,10 @@ alternated round by round, medians quoted with their ratio:
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 from benchmarks.common import ensure_model, print_header
 
@@ -49,12 +51,13 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    print_header("W8A8 decode vs bf16, same model, same run")
+    print_header(f"quantised weights' decode vs bf16, same model ({args.model}), same run")
     path = str(ensure_model(args.model))
     arms = args.arms.split(",")
     engines = {a: _engine(path, a) for a in arms}
-    one = [[(7 * i) % 31000 + 10 for i in range(32)]]
-    many = [[(7 * i + 13 * j) % 31000 + 10 for i in range(32)] for j in range(64)]
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    one = [[(7 * i) % (vocab - 10) + 10 for i in range(32)]]
+    many = [[(7 * i + 13 * j) % (vocab - 10) + 10 for i in range(32)] for j in range(64)]
     single: dict[str, list[float]] = {a: [] for a in arms}
     batch: dict[str, list[float]] = {a: [] for a in arms}
     for a in arms:  # warm-up: oneDNN primitives, first-touch pages
