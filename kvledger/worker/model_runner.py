@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvledger.cache.kv_tier_messages import TierReport
 from kvledger.core.sched_output import SchedulerOutput
 from kvledger.kernels import native
 from kvledger.logprobs import Logprob
@@ -49,6 +50,7 @@ class ModelRunnerOutput:
     pooler_output: dict[str, list[float]] = field(default_factory=dict)  # pooling requests done
     swap_out_seconds: float = 0.0
     swap_in_seconds: float = 0.0
+    kv_tiers: TierReport | None = None  # the tiered prefix cache's loads / stores (storage/kv_tiers.py)
 
 
 @dataclass
@@ -83,6 +85,7 @@ class ModelRunner:
         layer_caches: list | None = None,
         rope_long_from: int | None = None,
         graphs=None,
+        tiers=None,
     ) -> None:
         """``layer_group``: a hybrid model's group of each layer (None: one group), and
         ``layer_caches`` each layer's cache (shared tensors when grouped); ``rope_long_from``:
@@ -102,6 +105,7 @@ class ModelRunner:
         self.rope_long_from = rope_long_from
         self.generator = torch.Generator().manual_seed(seed)
         self.graphs = graphs
+        self.tiers = tiers  # storage.kv_tiers.TierWorker: moves blocks to / from lower tiers
         self._forks: list[tuple[str, str]] = []  # n > 1 (parent, child) forked this step
         self.pooler = PoolingAccumulator()  # pooling requests' partial pools across chunks
         # Quantised KV with sinks / a recent window: which full-precision overlay slot each
@@ -251,6 +255,8 @@ class ModelRunner:
         than 0, which still compute every logits row: the all-gather needs them)."""
         out = ModelRunnerOutput()
         self.update_states(so)
+        if self.tiers is not None:  # stores read blocks before this step's copies write them
+            out.kv_tiers = self.tiers.step(so)
         self.apply_block_ops(so, out)
         if not so.req_ids:
             return out
