@@ -124,6 +124,14 @@ class CacheConfig:
     def _validate_offload(self) -> None:
         for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes"):
             v = getattr(self, name)
+            if isinstance(v, str):  # "4GiB", as on the command line
+                from kvledger.ledger.accounting import parse_size
+
+                try:
+                    v = parse_size(v)
+                except ConfigError as e:
+                    raise ConfigError(f"{name}: {e}") from None
+                setattr(self, name, v)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ConfigError(f"{name} must be a whole number of bytes >= 0 (e.g. 4GiB), got {v!r}")
         v = self.kv_offloading_size

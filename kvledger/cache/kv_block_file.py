@@ -222,6 +222,7 @@ def save_index(spec: OffloadSpec, blocks: list[TierBlock]) -> None:
         "facts": spec.facts,
         "blocks": [[b.block_hash, b.parent_hash, b.salt, list(b.token_ids)] for b in blocks],
     }
+    os.makedirs(spec.directory, exist_ok=True)  # raises the real cause (EROFS, EACCES...)
     path = os.path.join(spec.directory, INDEX)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:

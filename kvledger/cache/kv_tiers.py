@@ -12,6 +12,7 @@ worker side is ``kvledger.storage.kv_tiers``.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
@@ -175,9 +176,8 @@ class KVTiers:
             self._warn_once("store:" + why.split(":")[0], "kv offload: a disk-tier write failed (%s); "
                             "those blocks stay in the device and host tiers only", why)  # fmt: skip
         for h, why in rep.load_errors:
-            blk = self.disk.pop(h, None)
-            if blk is not None and not self.pins[h]:
-                self.deletes.append(h)
+            if self.disk.pop(h, None) is not None:
+                self.deletes.append(h)  # the read is over: nothing reads the file any more
             self._warn_once("load:" + why.split(" ")[0], "kv offload: a disk-tier block was "
                             "unusable (%s); it is recomputed (a miss, never wrong output)", why)  # fmt: skip
         for key, (nbytes, secs) in rep.traffic.items():
@@ -211,8 +211,9 @@ class KVTiers:
             try:
                 kv_block_file.save_index(self.spec, blocks)
             except OSError as e:
-                self._warn_once("index", "kv offload: the disk index was not saved (%s); the "
-                                "next start rebuilds it from the files", e)  # fmt: skip
+                code = errno.errorcode.get(e.errno, "OSError")
+                self._warn_once(f"store:{code}", "kv offload: the disk index was not saved (%s: "
+                                "%s); the next start rebuilds it from the files", code, e)  # fmt: skip
 
     # -- the ledger -------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -56,7 +56,10 @@ class TierWorker:
         self.host_tensors = block_tensors(self.host) if self.host is not None else []
         self.disk = spec.directory is not None and spec.num_disk_blocks > 0
         if self.disk:
-            os.makedirs(os.path.join(spec.directory, f"rank{rank}"), exist_ok=True)
+            try:
+                os.makedirs(os.path.join(spec.directory, f"rank{rank}"), exist_ok=True)
+            except OSError:
+                pass  # a read-only directory: each write fails, the scheduler says so once
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kvledger-kv-write") if self.disk else None
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="kvledger-kv-load") if self.disk else None
         self.loads: dict[str, _Load] = {}
@@ -170,7 +173,9 @@ class TierWorker:
         path = self._path(blk.block_hash)
         tmp = f"{path}.tmp.{os.getpid()}"
         try:
-            data = kv_block_file.encode(self.spec, blk, payload.numpy().tobytes(), self.rank)
+            data = kv_block_file.encode(self.spec, blk, payload.cpu().numpy().tobytes(), self.rank)
+            if not os.path.isdir(os.path.dirname(path)):  # its real error (EROFS, EACCES...)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
