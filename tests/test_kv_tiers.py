@@ -264,3 +264,80 @@ def test_bad_offload_settings_are_clear_errors(stories_path, tmp_path):
     for kw, msg in cases:
         with pytest.raises(ConfigError, match=msg):
             _llm(stories_path, **kw)
+
+
+def test_server_restart_serves_the_prefix_from_disk_and_cache_salt_isolates(stories_path, tmp_path):
+    """`kvledger serve` with a disk tier, stopped (SIGTERM) and started again: the same prompt's
+    prefix comes back from disk (usage.prompt_tokens_details.cached_tokens >= 95 % of it) with
+    the same text; through the real openai client, another cache_salt shares nothing."""
+    from tests.test_server import ServerProcess
+
+    prompt = _prompts(1, 321, seed=7)[0]
+    args = (str(stories_path), "--torch-threads", "1", "--num-kv-blocks", "64",
+            "--kv-offload-dir", str(tmp_path / "kv"))  # fmt: skip
+
+    def ask(srv, **extra):
+        c = srv.client()
+        r = c.completions.create(model=c.models.list().data[0].id, prompt=prompt, max_tokens=5,
+                                 temperature=0, extra_body=extra or None)  # fmt: skip
+        return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+    first = ServerProcess(*args, log_path=tmp_path / "first.log")
+    try:
+        first.wait_ready()
+        text, cached = ask(first)
+        assert cached == 0
+        assert ask(first, cache_salt="tenant-a") == (text, 0)  # salted: not the unsalted blocks
+    finally:
+        first.stop()
+    second = ServerProcess(*args, log_path=tmp_path / "second.log")
+    try:
+        second.wait_ready()
+        again, cached = ask(second)
+        assert again == text and cached >= 0.95 * len(prompt), cached
+        assert ask(second, cache_salt="tenant-b") == (text, 0)
+        assert ask(second, cache_salt="tenant-a")[1] >= 0.95 * len(prompt)  # its own, from disk
+        blocks = 2 * (len(prompt) // 16)  # the unsalted and tenant-a prefixes, from disk
+        assert second.ledger()["tiers"]["disk"]["hits"] == blocks
+        m = second.metrics()
+        assert m["vllm:external_prefix_cache_hits_total{engine=0}"] == 16 * blocks
+        assert m["kvledger:kv_tier_hits_total{tier=disk}"] == blocks
+        assert m["kvledger:kv_tier_transfer_bytes_total{direction=load,tier=disk}"] >= blocks * 20480
+    finally:
+        second.stop()
+
+
+def test_tier_index_lru_pins_and_kv_events_carry_the_medium():
+    """The scheduler side alone (no torch): the host tier evicts its least recently used entry
+    that no load is reading; the disk budget deletes files LRU; BlockStored / BlockRemoved
+    events name the medium (vLLM's field): CPU for host memory, DISK for files."""
+    from kvledger.cache.kv_block_file import OffloadSpec
+    from kvledger.cache.kv_events import BlockRemoved, BlockStored
+    from kvledger.cache.kv_tier_messages import TierBlock, TierReport
+    from kvledger.cache.kv_tiers import KVTiers
+
+    tiers = KVTiers(OffloadSpec("fp", num_host_blocks=2, num_disk_blocks=2, block_bytes=64), 4)
+    tiers.events = []
+    blocks = [TierBlock(100 + i, None, (i, i, i, i)) for i in range(4)]
+    tiers.on_evicted([(0, blocks[0]), (1, blocks[1])])
+    stores, _, _ = tiers.take_ops()
+    assert [(s.block_id, s.host_slot, s.to_disk) for s in stores] == [(0, 0, True), (1, 1, True)]
+    assert [(type(e), e.medium) for e in tiers.events] == [(BlockStored, "CPU")] * 2
+    tiers.on_report(TierReport(stores_done=[100, 101]))
+    assert [e.medium for e in tiers.events[2:]] == ["DISK", "DISK"]
+    # A load of block 100 pins it: the next store takes 101's slot although 100 is older.
+    (hit,) = tiers.lookup([(100, (0, 0, 0, 0), None)], None)
+    assert hit == (0, blocks[0])
+    assert tiers.lookup([(100, (0, 0, 0, 9), None)], None) == []  # other tokens: a miss
+    assert tiers.lookup([(100, (0, 0, 0, 0), "salt")], None) == []  # another salt: a miss
+    tiers.start_load("r", [7], [hit])
+    tiers.events.clear()
+    tiers.on_evicted([(2, blocks[2])])
+    (s,), _, deletes = tiers.take_ops()
+    assert s.host_slot == 1 and 101 not in tiers.host and 100 in tiers.host
+    # The disk holds 2 files: a third deletes the least recently used unpinned one (101).
+    assert deletes == [101] and s.to_disk
+    assert tiers.disk_pending == {102} and 100 in tiers.disk and 101 not in tiers.disk
+    assert (BlockRemoved, "DISK") in [(type(e), e.medium) for e in tiers.events]
+    tiers.end_load("r")
+    assert not tiers.pins

@@ -60,7 +60,8 @@ class KVTiers:
     # -- queries ---------------------------------------------------------------------------
     @property
     def has_disk(self) -> bool:
-        return self.spec.directory is not None and self.spec.num_disk_blocks > 0
+        """A disk tier (the simulator's has no directory: an index without files)."""
+        return self.spec.num_disk_blocks > 0
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.host or block_hash in self.disk
@@ -206,7 +207,7 @@ class KVTiers:
 
     def save_index(self) -> None:
         """Persist the confirmed disk blocks (at shutdown; a lost index is rebuilt by a scan)."""
-        if self.has_disk:
+        if self.has_disk and self.spec.directory is not None:
             blocks = [b for h, b in self.disk.items() if h not in self.disk_pending]
             try:
                 kv_block_file.save_index(self.spec, blocks)
@@ -216,6 +217,19 @@ class KVTiers:
                                 "%s); the next start rebuilds it from the files", code, e)  # fmt: skip
 
     # -- the ledger -------------------------------------------------------------------------
+    def flat_stats(self) -> dict[str, float]:
+        """The counters as one flat dict of numbers (what /metrics reads and replicas sum):
+        ``<tier>_<figure>``, ``traffic_<tier>_<store|load>_<bytes|seconds>``."""
+        st = self.stats()
+        out: dict[str, float] = {"query_tokens": self.queries * self.block_size, "hit_tokens": self.hit_tokens}
+        for tier in ("host", "disk"):
+            for k in ("blocks", "bytes", "capacity_bytes", "hits", "stored"):
+                out[f"{tier}_{k}"] = st[tier][k]
+        for key, (nbytes, secs) in self.traffic.items():
+            out[f"traffic_{key}_bytes"] = nbytes
+            out[f"traffic_{key}_seconds"] = secs
+        return out
+
     def stats(self) -> dict:
         bb = self.block_bytes
         disk_blocks = len(self.disk) - len(self.disk_pending)

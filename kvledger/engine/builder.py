@@ -36,6 +36,7 @@ from kvledger.ledger.accounting import (
     ModelSpec,
     kv_bytes_per_token,
     per_request_overhead_bytes,
+    tier_capacity,
 )
 from kvledger.ledger.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from kvledger.model.loader import LoadedModel, load_model
@@ -338,10 +339,10 @@ def _offload_spec(config: EngineConfig, facts: ModelFacts, bytes_per_block: int)
             if not os.path.isdir(root):
                 raise ConfigError(f"kv_offload_dir {cc.kv_offload_dir!r} cannot be created: {e}") from None
             # It exists but cannot be written (read-only): every write fails and is reported once.
-    file_bytes = bytes_per_block + 64 + 16 * cc.block_size  # payload + header (tokens, facts)
+    cap = tier_capacity(bytes_per_block, cc.block_size, cc.offload_host_bytes, cc.offload_disk_bytes)
     return OffloadSpec(
-        fingerprint=fingerprint, num_host_blocks=cc.offload_host_bytes // bytes_per_block,
-        num_disk_blocks=cc.offload_disk_bytes // file_bytes, block_bytes=bytes_per_block,
+        fingerprint=fingerprint, num_host_blocks=cap["host"]["blocks"],
+        num_disk_blocks=cap["disk"]["blocks"], block_bytes=bytes_per_block,
         directory=directory, facts=block_facts,
     )  # fmt: skip
 
