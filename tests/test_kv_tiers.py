@@ -341,3 +341,15 @@ def test_tier_index_lru_pins_and_kv_events_carry_the_medium():
     assert (BlockRemoved, "DISK") in [(type(e), e.medium) for e in tiers.events]
     tiers.end_load("r")
     assert not tiers.pins
+
+
+def test_colliding_hashes_never_alias_across_tiers(stories_path, baseline, tmp_path, monkeypatch):
+    """A block hash that ignores the tokens (every prompt's block i collides): the tiers find
+    entries by hash but verify tokens, salt and parent, so outputs stay exact."""
+    from kvledger.cache import block_hash
+
+    monkeypatch.setitem(block_hash.HASH_FNS, "sha256", lambda parent, tokens, salt=None: hash((parent, salt)) & 0xFFFF)
+    llm = _llm(stories_path, kv_offload_dir=str(tmp_path), kv_offload_host_bytes="1MiB")
+    toks, cached = _run(llm, _prompts() * 2)
+    assert toks == baseline * 2
+    assert sum(cached) < 6 * FULL  # the colliding entries hold other prompts' tokens
