@@ -209,7 +209,7 @@ class H(logging.Handler):
             warnings.append(r.getMessage())
 logging.getLogger("kvledger").addHandler(H())
 out = {}
-for name, opts in (("full", "size=64k"), ("ro", "ro,size=64k")):
+for name, opts in (("full", "size=48k"), ("ro", "ro,size=48k")):
     d = os.path.join(root, name)
     os.makedirs(d)
     subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", d], check=True)
@@ -227,7 +227,7 @@ print(json.dumps(out))
 
 
 def test_full_disk_and_read_only_directory_keep_serving(stories_path, baseline, tmp_path):
-    """A real full filesystem (a 64 KiB tmpfs: ENOSPC after three blocks) and a read-only one
+    """A real full filesystem (a 48 KiB tmpfs: ENOSPC at the third 21 KiB block) and a read-only one
     (EROFS), each mounted in a private mount namespace: the engine serves the same tokens and
     says so once."""
     if shutil.which("unshare") is None:
@@ -238,13 +238,13 @@ def test_full_disk_and_read_only_directory_keep_serving(stories_path, baseline, 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     r = subprocess.run(
         ["unshare", "-rm", sys.executable, "-c", _FAULT_CHILD, str(stories_path), str(tmp_path),
-         json.dumps(_prompts())],
+         json.dumps(_prompts(3))],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     for name, errno_name in (("full", "ENOSPC"), ("ro", "EROFS")):
-        assert out[name]["tokens"] == baseline * 2, name
+        assert out[name]["tokens"] == baseline[:3] * 2, name
         warnings = out[name]["warnings"]
         assert len(warnings) == 1 and errno_name in warnings[0], (name, warnings)
 
