@@ -85,12 +85,31 @@ class CacheConfig:
     kv_offload_disk_bytes: int | None = None
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None
+    # vLLM's --kv-transfer-config with its OffloadingConnector (kvledger/cache/kv_transfer_config.py):
+    # a host tier of num_cpu_blocks blocks or cpu_bytes_to_use bytes, when the flags above are unset.
+    kv_transfer_config: dict | str | None = None
 
     @property
     def offload_host_bytes(self) -> int:
+        """The host tier's bytes from the flags (a kv_transfer_config in blocks: see
+        ``offload_host_bytes_for``)."""
         if self.kv_offload_host_bytes is not None:
             return self.kv_offload_host_bytes
-        return int((self.kv_offloading_size or 0) * (1 << 30))
+        if self.kv_offloading_size is not None:
+            return int(self.kv_offloading_size * (1 << 30))
+        if self.kv_transfer_config is not None:
+            return self._transfer().bytes
+        return 0
+
+    def offload_host_bytes_for(self, bytes_per_token: int) -> int:
+        if self.kv_offload_host_bytes is None and self.kv_offloading_size is None and self.kv_transfer_config:
+            return self._transfer().tokens * bytes_per_token or self._transfer().bytes
+        return self.offload_host_bytes
+
+    def _transfer(self):
+        from kvledger.cache.kv_transfer_config import parse_kv_transfer_config
+
+        return parse_kv_transfer_config(self.kv_transfer_config, self.block_size)
 
     @property
     def offload_disk_bytes(self) -> int:
@@ -100,7 +119,7 @@ class CacheConfig:
 
     @property
     def kv_offload_enabled(self) -> bool:
-        return self.offload_host_bytes > 0 or self.offload_disk_bytes > 0
+        return self.offload_host_bytes_for(1) > 0 or self.offload_disk_bytes > 0
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -137,6 +156,8 @@ class CacheConfig:
         v = self.kv_offloading_size
         if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or v < 0):
             raise ConfigError(f"kv_offloading_size must be GiB >= 0, got {v!r}")
+        if self.kv_transfer_config is not None:
+            self._transfer()  # a bad config is a clear error here, before anything loads
         if self.kv_offloading_backend not in (None, "native"):
             raise ConfigError(
                 f"kv_offloading_backend {self.kv_offloading_backend!r} is not available here: only "

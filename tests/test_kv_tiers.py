@@ -260,6 +260,11 @@ def test_bad_offload_settings_are_clear_errors(stories_path, tmp_path):
         (dict(kv_offloading_size=-2.0), "kv_offloading_size must be"),
         (dict(kv_offload_dir=str(not_a_dir)), "kv_offload_dir .* cannot be created"),
         (dict(kv_offload_host_bytes=1 << 20, enable_prefix_caching=False), "needs prefix caching"),
+        (dict(kv_transfer_config='{"kv_connector": "LMCacheConnectorV1"}'), "'LMCacheConnectorV1' is not available"),
+        (dict(kv_transfer_config={"kv_connector": "OffloadingConnector"}), "needs num_cpu_blocks or cpu_bytes_to_use"),
+        (dict(kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_connector_extra_config":
+                                  {"num_cpu_blocks": 8, "block_size": 24}}), "multiple of the engine's 16"),
+        (dict(kv_transfer_config="{oops"), "not JSON"),
     ]
     for kw, msg in cases:
         with pytest.raises(ConfigError, match=msg):
@@ -353,3 +358,15 @@ def test_colliding_hashes_never_alias_across_tiers(stories_path, baseline, tmp_p
     toks, cached = _run(llm, _prompts() * 2)
     assert toks == baseline * 2
     assert sum(cached) < 6 * FULL  # the colliding entries hold other prompts' tokens
+
+
+def test_vllm_offloading_connector_config_maps_onto_the_host_tier(stories_path, baseline):
+    """vLLM's --kv-transfer-config with OffloadingConnector and num_cpu_blocks: a host tier of
+    that many blocks, serving the second pass."""
+    cfg = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"num_cpu_blocks": 40}}  # fmt: skip
+    llm = _llm(stories_path, kv_transfer_config=cfg)
+    tiers = llm.engine.kv.tiers
+    assert tiers.spec.num_host_blocks == 40 and not tiers.has_disk
+    toks, cached = _run(llm, _prompts() * 2)
+    assert toks == baseline * 2 and cached[6:] == [FULL] * 6

@@ -59,6 +59,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-offloading-backend", default=None, choices=["native", "lmcache"],
         help="vLLM's name: native (kvledger's host and disk tiers); lmcache is refused",
     )  # fmt: skip
+    g.add_argument(
+        "--kv-transfer-config", default=None,
+        help="vLLM's KV connector JSON; only its OffloadingConnector maps here (the host tier), e.g. "
+        '\'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"num_cpu_blocks": 4096}}\'',
+    )  # fmt: skip
     g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     g.add_argument("--victim-policy", default="remaining", choices=["remaining", "fcfs", "priority"])
     g.add_argument("--recompute-threshold", type=int, default=None, help="recompute victims shorter than this")
@@ -196,7 +202,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["speculative_config"] = SpeculativeConfig.parse(args.speculative_config)
     if args.kv_cache_memory is not None:
         kw["kv_cache_memory"] = parse_size(args.kv_cache_memory)
-    for name in ("kv_offload_dir", "kv_offloading_size", "kv_offloading_backend"):
+    for name in ("kv_offload_dir", "kv_offloading_size", "kv_offloading_backend", "kv_transfer_config"):
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
     for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes"):

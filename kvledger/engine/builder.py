@@ -339,7 +339,8 @@ def _offload_spec(config: EngineConfig, facts: ModelFacts, bytes_per_block: int)
             if not os.path.isdir(root):
                 raise ConfigError(f"kv_offload_dir {cc.kv_offload_dir!r} cannot be created: {e}") from None
             # It exists but cannot be written (read-only): every write fails and is reported once.
-    cap = tier_capacity(bytes_per_block, cc.block_size, cc.offload_host_bytes, cc.offload_disk_bytes)
+    host = cc.offload_host_bytes_for(facts.bytes_per_token)
+    cap = tier_capacity(bytes_per_block, cc.block_size, host, cc.offload_disk_bytes)
     return OffloadSpec(
         fingerprint=fingerprint, num_host_blocks=cap["host"]["blocks"],
         num_disk_blocks=cap["disk"]["blocks"], block_bytes=bytes_per_block,
