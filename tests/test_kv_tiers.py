@@ -370,3 +370,56 @@ def test_vllm_offloading_connector_config_maps_onto_the_host_tier(stories_path, 
     assert tiers.spec.num_host_blocks == 40 and not tiers.has_disk
     toks, cached = _run(llm, _prompts() * 2)
     assert toks == baseline * 2 and cached[6:] == [FULL] * 6
+
+
+def test_abort_while_loading_gives_the_blocks_back_and_the_load_never_lands(stories_path, baseline, tmp_path):
+    """A request aborted while its prefix is read from disk: its blocks return at once, other
+    requests take them, and the read that finishes later is dropped (not copied over them).
+    The loader thread is held busy so the request is surely still loading when aborted."""
+    import threading
+
+    prompts = _prompts()
+    first = _llm(stories_path, kv_offload_dir=str(tmp_path))
+    _run(first, prompts)
+    first.engine.shutdown()
+    llm = _llm(stories_path, kv_offload_dir=str(tmp_path))
+    eng, gate = llm.engine, threading.Event()
+    busy = eng.executor.worker.tiers.loader.submit(gate.wait, 30)
+    eng.add_request(prompts[0], GREEDY, request_id="gone")
+    eng.step()
+    (req, _, k) = eng.scheduler.tier_loading.requests["gone"]
+    assert k == 6 and req.status.value == "waiting_for_remote_kvs"
+    assert eng.kv.num_used_blocks == 6
+    eng.abort_request("gone")
+    assert eng.kv.num_used_blocks == 0 and not eng.scheduler.tier_loading
+    # The freed blocks go to other prompts (recomputed: their disk reads queue behind the gate).
+    eng.add_request(prompts[1], GREEDY, request_id="next")
+    eng.step()
+    gate.set()
+    busy.result()
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [baseline[1]]
+    toks, cached = _run(llm, prompts[:1])  # the aborted prompt, loaded for real this time
+    assert toks == baseline[:1] and cached == [FULL]
+
+
+def test_prompt_logprobs_requests_compute_every_position(stories_path, tmp_path):
+    """A request asking for prompt logprobs needs every prompt row: no tier load for it, and
+    its prompt logprobs are those of an engine without tiers."""
+    prompts = _prompts(3)
+    sp = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+
+    def logprobs(llm):
+        out = []
+        for p in prompts * 2:
+            (o,) = llm.generate([{"prompt_token_ids": p}], sp)
+            assert o.num_cached_tokens == 0
+            out.append([sorted((t, round(lp.logprob, 5)) for t, lp in d.items()) for d in o.prompt_logprobs[1:]])
+        return out
+
+    plain = logprobs(_llm(stories_path, num_kv_blocks=8))
+    tiered = _llm(stories_path, num_kv_blocks=8, kv_offload_dir=str(tmp_path), kv_offload_host_bytes="1MiB")
+    assert logprobs(tiered) == plain
+    assert tiered.engine.kv.tiers.hits["host"] == 0

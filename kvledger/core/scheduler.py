@@ -274,9 +274,10 @@ class Scheduler:
             if req.status is RequestStatus.WAITING and req.request_id in preempted_now:
                 break  # evicted this very step: re-admitting it now would only thrash
             salt = self._kv_salt(req)
-            if req.sampling_params.prompt_logprobs is not None or (
+            reuse = req.sampling_params.prompt_logprobs is None and not (
                 req.pooling_params is not None and req.pooling_params.needs_all_rows
-            ):
+            )
+            if not reuse:
                 computed, num_cached = [], 0  # every prompt position's logits / hidden rows are needed
             else:
                 computed, num_cached = self.kv.get_computed_blocks(req.all_token_ids, salt)
@@ -290,7 +291,7 @@ class Scheduler:
                 # A victim comes back only when its whole context fits with room to grow.
                 full = self.kv.blocks_needed(req.request_id, req.num_tokens - num_cached, computed)
                 reserve = max(reserve, full - need + self._readmit_headroom())
-            if self.kv.tiers is not None and self.tier_loading.try_start(
+            if reuse and self.kv.tiers is not None and self.tier_loading.try_start(
                 self, req, computed, num_cached, salt, reserve
             ):
                 self.waiting.popleft()
