@@ -423,3 +423,14 @@ def test_prompt_logprobs_requests_compute_every_position(stories_path, tmp_path)
     tiered = _llm(stories_path, num_kv_blocks=8, kv_offload_dir=str(tmp_path), kv_offload_host_bytes="1MiB")
     assert logprobs(tiered) == plain
     assert tiered.engine.kv.tiers.hits["host"] == 0
+
+
+def test_external_prefix_cache_counters_count_each_request_once(stories_path, tmp_path):
+    """vLLM's external prefix-cache series: queries are the prompt tokens past the device hit,
+    hits the tokens a tier served, each request counted once (not at every step it waits)."""
+    prompts = _prompts()
+    llm = _llm(stories_path, kv_offload_dir=str(tmp_path), kv_offload_host_bytes="1MiB")
+    _run(llm, prompts * 2)
+    t = llm.engine.kv.tiers.flat_stats()
+    assert t["query_tokens"] == 12 * 101 and t["hit_tokens"] == 6 * FULL
+    assert t["host_hits"] == 36 and t["traffic_host_load_bytes"] == 36 * 20480

@@ -195,7 +195,7 @@ class KVCacheManager:
         leaving at least one prompt token to compute: [(host slot or -1, TierBlock)]."""
         bs = self.block_size
         n, start = (len(token_ids) - 1) // bs, num_cached // bs
-        if self.tiers is None or start >= n:
+        if self.tiers is None or self.tiers.empty or start >= n:
             return []
         g = self.groups[0]
         chain = g.chain(token_ids, salt, 0, n, g.hash_root)
@@ -205,8 +205,11 @@ class KVCacheManager:
         return self.tiers.lookup(chain, parent)
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Once per request, at its first admission; the tiers count what the device missed."""
         self.prefix_cache_queries += num_prompt_tokens
         self.prefix_cache_hits += num_hit_tokens
+        if self.tiers is not None:
+            self.tiers.query_tokens += num_prompt_tokens - num_hit_tokens
 
     # -- allocation -------------------------------------------------------------------------
     def _hits(self, computed_blocks: Sequence[list[int]]) -> Sequence[list[int]]:

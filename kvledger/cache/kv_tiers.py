@@ -46,7 +46,8 @@ class KVTiers:
         # Counters for the ledger and /metrics.
         self.hits = Counter()  # tier -> blocks served
         self.stored = Counter()  # tier -> blocks stored
-        self.queries = 0  # blocks looked up in the tiers
+        self.query_tokens = 0  # prompt tokens past the device hit, once per request (vLLM's
+        # external prefix-cache queries)
         self.hit_tokens = 0  # prompt tokens served by the tiers (not the device)
         self.traffic: dict[str, list[float]] = {}
         self.index_rebuilt = False
@@ -66,12 +67,15 @@ class KVTiers:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.host or block_hash in self.disk
 
+    @property
+    def empty(self) -> bool:
+        return not self.host and not self.disk
+
     def lookup(self, prompt: PromptBlocks, parent_hash: int | None) -> list[tuple[int, TierBlock]]:
         """(host slot or -1 for disk, block) for the prompt's blocks that follow ``parent_hash``
         in the tiers, each verified (tokens, salt, parent) after the previous one."""
         hits: list[tuple[int, TierBlock]] = []
         for h, tokens, salt in prompt:
-            self.queries += 1
             entry = self.host.get(h)
             if entry is not None and _same(entry[1], parent_hash, tokens, salt):
                 hits.append(entry)
@@ -221,7 +225,7 @@ class KVTiers:
         """The counters as one flat dict of numbers (what /metrics reads and replicas sum):
         ``<tier>_<figure>``, ``traffic_<tier>_<store|load>_<bytes|seconds>``."""
         st = self.stats()
-        out: dict[str, float] = {"query_tokens": self.queries * self.block_size, "hit_tokens": self.hit_tokens}
+        out: dict[str, float] = {"query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens}
         for tier in ("host", "disk"):
             for k in ("blocks", "bytes", "capacity_bytes", "hits", "stored"):
                 out[f"{tier}_{k}"] = st[tier][k]
@@ -242,7 +246,7 @@ class KVTiers:
                      "capacity_bytes": (self.spec.num_disk_blocks if self.has_disk else 0) * bb,
                      "hits": self.hits["disk"], "stored": self.stored["disk"],
                      "directory": self.spec.directory},
-            "queries": self.queries,
+            "query_tokens": self.query_tokens,
             "hit_tokens": self.hit_tokens,
             "traffic": {k: {"bytes": int(v[0]), "seconds": v[1],
                             "bytes_per_s": v[0] / v[1] if v[1] else None}

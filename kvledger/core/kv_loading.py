@@ -67,6 +67,7 @@ class TierLoading:
                 req.num_cached_tokens = cached
                 kv.record_prefix_lookup(req.num_prompt_tokens, cached)
                 kv.tiers.hit_tokens += cached - num_cached
+                kv.tiers.query_tokens += cached - num_cached  # asked past the device hit
             sched._start_running(req)
 
     def cancel(self, sched: Scheduler, req: Request) -> None:
