@@ -264,7 +264,7 @@ def test_bad_offload_settings_are_clear_errors(stories_path, tmp_path):
         (dict(kv_transfer_config={"kv_connector": "OffloadingConnector"}), "needs num_cpu_blocks or cpu_bytes_to_use"),
         (dict(kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_connector_extra_config":
                                   {"num_cpu_blocks": 8, "block_size": 24}}), "multiple of the engine's 16"),
-        (dict(kv_transfer_config="{oops"), "not JSON"),
+        (dict(kv_transfer_config="{oops"), "kv_transfer_config is not valid JSON"),
     ]
     for kw, msg in cases:
         with pytest.raises(ConfigError, match=msg):

@@ -10,10 +10,10 @@ extra key, default the engine's block size) or ``cpu_bytes_to_use``. Every other
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from kvledger.errors import ConfigError
+from kvledger.json_config import json_object
 
 CONNECTOR = "OffloadingConnector"
 
@@ -27,13 +27,7 @@ class OffloadingRequest:
 
 
 def parse_kv_transfer_config(value: dict | str, block_size: int) -> OffloadingRequest:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"kv_transfer_config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
+    value = json_object("kv_transfer_config", value)
     connector = value.get("kv_connector")
     if connector != CONNECTOR:
         raise ConfigError(
