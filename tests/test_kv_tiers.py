@@ -434,3 +434,26 @@ def test_external_prefix_cache_counters_count_each_request_once(stories_path, tm
     t = llm.engine.kv.tiers.flat_stats()
     assert t["query_tokens"] == 12 * 101 and t["hit_tokens"] == 6 * FULL
     assert t["host_hits"] == 36 and t["traffic_host_load_bytes"] == 36 * 20480
+
+
+def test_int8_kv_sinks_survive_a_restart(tmp_path_factory):
+    """Quantised KV keeps each request's first kv_sink_tokens in full precision (the overlay),
+    which a prefix hit takes from the worker's sink cache. The disk tier keeps the sinks of
+    every prompt's first block beside it, so after a restart a loaded prefix reads the same
+    full-precision sinks as a recompute: the same tokens, and no sink-cache miss."""
+    from tests.model_factory import build_hf_model, tiny_config
+
+    path = tmp_path_factory.mktemp("gqa-sinks")
+    build_hf_model(tiny_config("llama_gqa"), path)
+    kw = dict(kv_cache_dtype="int8", kv_sink_tokens=4)
+    prompts = _prompts(3, vocab=97, seed=2)
+    base, _ = _run(_llm(path, **kw), prompts)
+    d = tmp_path_factory.mktemp("tiers-sinks")
+    first = _llm(path, kv_offload_dir=str(d), **kw)
+    assert _run(first, prompts)[0] == base
+    first.engine.shutdown()
+    again = _llm(path, kv_offload_dir=str(d), **kw)
+    toks, cached = _run(again, prompts)
+    assert cached == [FULL] * 3
+    assert again.engine.executor.stats().sink_cache_misses == 0
+    assert toks == base

@@ -79,6 +79,9 @@ def block_path(directory: str, block_hash: int, rank: int = 0) -> str:
     return os.path.join(directory, f"rank{rank}", f"{block_hash:016x}{SUFFIX}")
 
 
+SINK_SUFFIX = ".sink"  # beside a prompt's first block: its full-precision sinks (quantised KV)
+
+
 def encode(spec: OffloadSpec, block: TierBlock, payload: bytes, rank: int = 0) -> bytes:
     """The whole file: magic, header length, header, payload."""
     header = {
@@ -123,9 +126,12 @@ def tier_block(header: dict) -> TierBlock:
     )
 
 
-def decode(data: bytes, spec: OffloadSpec, block: TierBlock, rank: int = 0) -> memoryview:
+def decode(
+    data: bytes, spec: OffloadSpec, block: TierBlock, rank: int = 0, payload_bytes: int | None = None
+) -> memoryview:
     """The payload of a whole file after checking every header field and the CRC against what
-    the reader expected (BlockFileError names the first difference)."""
+    the reader expected (BlockFileError names the first difference). ``payload_bytes``: its
+    size when it is not a block (a prompt's full-precision sinks)."""
     import io
 
     header, off = read_header(io.BytesIO(data))
@@ -140,8 +146,9 @@ def decode(data: bytes, spec: OffloadSpec, block: TierBlock, rank: int = 0) -> m
     if got != block:
         raise BlockFileError("block identity differs (hash, parent, salt or tokens)")
     payload = memoryview(data)[off:]
-    if len(payload) != header.get("payload_bytes") or len(payload) != spec.block_bytes:
-        raise BlockFileError(f"payload is {len(payload)} bytes, expected {spec.block_bytes}")
+    want = spec.block_bytes if payload_bytes is None else payload_bytes
+    if len(payload) != header.get("payload_bytes") or len(payload) != want:
+        raise BlockFileError(f"payload is {len(payload)} bytes, expected {want}")
     if zlib.crc32(payload) != header.get("crc32"):
         raise BlockFileError("checksum mismatch")
     return payload

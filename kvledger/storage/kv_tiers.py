@@ -46,6 +46,7 @@ class _Load:
     def __init__(self, job: TierLoad) -> None:
         self.job = job
         self.reads: dict[int, Future] = {}  # index in the job -> future of (payload | error)
+        self.sinks: tuple[tuple[int, ...], Future] | None = None  # (sink key, its read)
 
 
 class TierWorker:
@@ -66,6 +67,11 @@ class TierWorker:
         self.writes: list[tuple[int, Future]] = []
         self._lock = threading.Lock()
         self._traffic: list[tuple[str, int, float]] = []  # from the threads
+        # Quantised KV: the runner's overlay, whose sink cache holds each prompt's first
+        # kv_sink_tokens in full precision; they are kept beside the prompt's first block file
+        # (when they fit in it), so a restart reads the same sinks as a recompute.
+        self.overlay = None  # set by the worker once the runner exists
+        self.sink_tokens = pool.sink_tokens if pool.sink_tokens <= pool.block_size else 0
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, so: SchedulerOutput) -> TierReport | None:
@@ -96,6 +102,15 @@ class TierWorker:
                 src = (s.host_slot, self.host_tensors) if s.host_slot >= 0 else (s.block_id, self.tensors)
                 payload = _gather(*src)
                 self.writes.append((s.block.block_hash, self.writer.submit(self._write, s.block, payload)))
+                sinks = self._sinks_of(s.block)
+                if sinks is not None:
+                    self.writer.submit(self._write, s.block, sinks.reshape(-1).view(torch.uint8).clone(), True)
+
+    def _sinks_of(self, blk: TierBlock) -> torch.Tensor | None:
+        """A prompt's cached full-precision sinks, if ``blk`` is its first block."""
+        if self.overlay is None or not self.sink_tokens or blk.parent_hash is not None:
+            return None
+        return self.overlay.sink_cache.get(blk.token_ids[: self.sink_tokens])
 
     def _start_load(self, job: TierLoad, rep: TierReport) -> None:
         load = _Load(job)
@@ -107,13 +122,20 @@ class TierWorker:
         for i, (slot, blk) in enumerate(zip(job.host_slots, job.blocks)):
             if slot < 0:
                 load.reads[i] = self.loader.submit(self._read, blk)
+        first = job.blocks[0]
+        if self.disk and self.overlay is not None and self.sink_tokens and first.parent_hash is None:
+            key = first.token_ids[: self.sink_tokens]
+            if key not in self.overlay.sink_cache:
+                load.sinks = (key, self.loader.submit(self._read, first, self._sink_bytes()))
         self.loads[job.req_id] = load
 
     def _install_finished(self, rep: TierReport) -> None:
         for rid, load in list(self.loads.items()):
-            if not all(f.done() for f in load.reads.values()):
+            if not all(f.done() for f in load.reads.values()) or (load.sinks and not load.sinks[1].done()):
                 continue
             del self.loads[rid]
+            if load.sinks is not None and not isinstance(load.sinks[1].result(), str):
+                self._install_sinks(load.sinks[0], load.sinks[1].result())
             job, ok = load.job, len(load.job.block_ids)
             for i, f in sorted(load.reads.items()):
                 res = f.result()
@@ -123,6 +145,18 @@ class TierWorker:
                 elif i < ok:
                     _scatter(res, job.block_ids[i], self.tensors)
             rep.loads_done[rid] = ok
+
+    def _sink_bytes(self) -> int:
+        p = self.pool
+        return p.num_layers * 2 * self.sink_tokens * p.num_kv_heads * p.head_dim * p.dtype.itemsize
+
+    def _install_sinks(self, key: tuple[int, ...], payload: torch.Tensor) -> None:
+        """Into the overlay's sink cache, as if this process had computed them (LRU-bounded)."""
+        p, ov = self.pool, self.overlay
+        shape = (p.num_layers, 2, self.sink_tokens, p.num_kv_heads, p.head_dim)
+        ov.sink_cache[key] = payload.view(p.dtype).view(shape).to(p.device)
+        if len(ov.sink_cache) > ov.sink_entries:
+            ov.sink_cache.popitem(last=False)
 
     def _wait_any(self, timeout: float) -> None:
         futures = [f for load in self.loads.values() for f in load.reads.values()]
@@ -167,10 +201,10 @@ class TierWorker:
     def _path(self, block_hash: int) -> str:
         return kv_block_file.block_path(self.spec.directory, block_hash, self.rank)
 
-    def _write(self, blk: TierBlock, payload: torch.Tensor) -> bool | str:
-        """Write one block file atomically: True, or why not."""
+    def _write(self, blk: TierBlock, payload: torch.Tensor, sinks: bool = False) -> bool | str | None:
+        """Write one block file (or its sinks' file: None) atomically: True, or why not."""
         t0 = time.perf_counter()
-        path = self._path(blk.block_hash)
+        path = self._path(blk.block_hash) + (kv_block_file.SINK_SUFFIX if sinks else "")
         tmp = f"{path}.tmp.{os.getpid()}"
         try:
             data = kv_block_file.encode(self.spec, blk, payload.cpu().numpy().tobytes(), self.rank)
@@ -184,25 +218,26 @@ class TierWorker:
                 os.unlink(tmp)
             except OSError:
                 pass
-            return f"{errno.errorcode.get(e.errno, 'OSError')}: {e.strerror or e}"
+            return None if sinks else f"{errno.errorcode.get(e.errno, 'OSError')}: {e.strerror or e}"
         with self._lock:
             self._traffic.append(("disk_store", len(data), time.perf_counter() - t0))
-        return True
+        return None if sinks else True
 
     def _delete(self, block_hash: int) -> None:
-        try:
-            os.unlink(self._path(block_hash))
-        except OSError:
-            pass
+        for path in (self._path(block_hash), self._path(block_hash) + kv_block_file.SINK_SUFFIX):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
-    def _read(self, blk: TierBlock) -> torch.Tensor | str:
-        """One block file's payload after every check, or why it cannot be used."""
+    def _read(self, blk: TierBlock, sink_bytes: int = 0) -> torch.Tensor | str:
+        """One block file's payload (or its sinks' file's) after every check, or why not."""
         t0 = time.perf_counter()
-        path = self._path(blk.block_hash)
+        path = self._path(blk.block_hash) + (kv_block_file.SINK_SUFFIX if sink_bytes else "")
         try:
             with open(path, "rb") as f:
                 data = f.read()
-            payload = kv_block_file.decode(data, self.spec, blk, self.rank)
+            payload = kv_block_file.decode(data, self.spec, blk, self.rank, sink_bytes or None)
         except FileNotFoundError:
             return f"missing: {path}"
         except OSError as e:

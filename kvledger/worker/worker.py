@@ -115,6 +115,8 @@ class Worker:
             layer_caches=layer_caches, rope_long_from=spec.rope_long_from, graphs=graphs,
             tiers=self.tiers,
         )  # fmt: skip
+        if self.tiers is not None:
+            self.tiers.overlay = self.runner.overlay  # quantised KV: sinks kept beside block 0
         self.ready = WorkerReady(
             rank=self.rank,
             pid=os.getpid(),
