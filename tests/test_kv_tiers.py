@@ -457,3 +457,23 @@ def test_int8_kv_sinks_survive_a_restart(tmp_path_factory):
     assert cached == [FULL] * 3
     assert again.engine.executor.stats().sink_cache_misses == 0
     assert toks == base
+
+
+def test_int8_kv_sinks_come_back_with_a_host_tier_hit(tmp_path_factory):
+    """The same with the host tier, after the overlay's own sink cache dropped the entries
+    (here: emptied): the host tier's copy of the sinks comes back with the prefix."""
+    from tests.model_factory import build_hf_model, tiny_config
+
+    path = tmp_path_factory.mktemp("gqa-host-sinks")
+    build_hf_model(tiny_config("llama_gqa"), path)
+    kw = dict(kv_cache_dtype="int8", kv_sink_tokens=4)
+    prompts, others = _prompts(3, vocab=97, seed=3), _prompts(3, vocab=97, seed=4)
+    base, _ = _run(_llm(path, **kw), prompts)
+    llm = _llm(path, kv_offload_host_bytes=1 << 20, **kw)
+    assert _run(llm, prompts)[0] == base
+    _run(llm, others)  # evicts the prompts' blocks (and their sinks) into the host tier
+    overlay = llm.engine.executor.worker.runner.overlay
+    overlay.sink_cache.clear()
+    toks, cached = _run(llm, prompts)
+    assert cached == [FULL] * 3 and overlay.sink_cache_misses == 0
+    assert toks == base

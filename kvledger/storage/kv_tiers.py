@@ -17,6 +17,7 @@ import errno
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -72,6 +73,9 @@ class TierWorker:
         # (when they fit in it), so a restart reads the same sinks as a recompute.
         self.overlay = None  # set by the worker once the runner exists
         self.sink_tokens = pool.sink_tokens if pool.sink_tokens <= pool.block_size else 0
+        # ... and in host memory for first blocks in the host tier (block hash -> sinks; LRU,
+        # at most one per host block), for when the overlay's own sink cache has dropped them.
+        self.host_sinks: OrderedDict[int, torch.Tensor] = OrderedDict()
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, so: SchedulerOutput) -> TierReport | None:
@@ -98,11 +102,15 @@ class TierWorker:
             self.host.swap_out(host_pairs)
             rep.add_traffic("host_store", len(host_pairs) * self.spec.block_bytes, time.perf_counter() - t0)
         for s in stores:
+            sinks = self._sinks_of(s.block)
+            if sinks is not None and s.host_slot >= 0:
+                self.host_sinks[s.block.block_hash] = sinks
+                if len(self.host_sinks) > self.spec.num_host_blocks:
+                    self.host_sinks.popitem(last=False)
             if s.to_disk:
                 src = (s.host_slot, self.host_tensors) if s.host_slot >= 0 else (s.block_id, self.tensors)
                 payload = _gather(*src)
                 self.writes.append((s.block.block_hash, self.writer.submit(self._write, s.block, payload)))
-                sinks = self._sinks_of(s.block)
                 if sinks is not None:
                     self.writer.submit(self._write, s.block, sinks.reshape(-1).view(torch.uint8).clone(), True)
 
@@ -123,9 +131,14 @@ class TierWorker:
             if slot < 0:
                 load.reads[i] = self.loader.submit(self._read, blk)
         first = job.blocks[0]
-        if self.disk and self.overlay is not None and self.sink_tokens and first.parent_hash is None:
+        if self.overlay is not None and self.sink_tokens and first.parent_hash is None:
             key = first.token_ids[: self.sink_tokens]
-            if key not in self.overlay.sink_cache:
+            kept = self.host_sinks.get(first.block_hash)
+            if key in self.overlay.sink_cache:
+                pass
+            elif kept is not None:
+                self._install_sinks(key, kept)
+            elif self.disk:
                 load.sinks = (key, self.loader.submit(self._read, first, self._sink_bytes()))
         self.loads[job.req_id] = load
 
@@ -154,7 +167,9 @@ class TierWorker:
         """Into the overlay's sink cache, as if this process had computed them (LRU-bounded)."""
         p, ov = self.pool, self.overlay
         shape = (p.num_layers, 2, self.sink_tokens, p.num_kv_heads, p.head_dim)
-        ov.sink_cache[key] = payload.view(p.dtype).view(shape).to(p.device)
+        if payload.dtype == torch.uint8:  # read from its file
+            payload = payload.view(p.dtype).view(shape).to(p.device)
+        ov.sink_cache[key] = payload
         if len(ov.sink_cache) > ov.sink_entries:
             ov.sink_cache.popitem(last=False)
 
