@@ -85,6 +85,9 @@ def test_host_then_disk_after_restart_exact(stories_path, baseline, tmp_path):
     assert (tiers.hits["host"], tiers.hits["disk"]) == (36, 0)
     led = llm.engine.ledger()
     assert led.tiers["host"]["hits"] == 36 and led.tiers["disk"]["capacity_blocks"] > 0
+    from kvledger.ledger.frame import totals
+
+    assert totals(led, 512, 0)["tiers"] == led.tiers  # what the dashboard's tier cards read
     llm.engine.shutdown()  # flushes the device's cached blocks to disk and saves the index
     assert os.path.exists(os.path.join(tiers.spec.directory, kv_block_file.INDEX))
 
