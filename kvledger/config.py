@@ -75,6 +75,51 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     kv_sink_tokens: int = 4
     kv_recent_tokens: int = 0
+    # The tiered prefix cache (kvledger/cache/kv_tiers.py): prefix blocks the pool evicts are
+    # kept in host memory (kv_offload_host_bytes) and in files under kv_offload_dir
+    # (kv_offload_disk_bytes), each tier LRU within its bytes. vLLM's kv_offloading_size (GiB of
+    # CPU memory) sets the host budget when kv_offload_host_bytes is not given, and
+    # kv_offloading_backend must then be "native" (its CPU offloading connector's role).
+    kv_offload_dir: str | None = None
+    kv_offload_host_bytes: int | None = None
+    kv_offload_disk_bytes: int | None = None
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+    # vLLM's --kv-transfer-config with its OffloadingConnector (kvledger/cache/kv_transfer_config.py):
+    # a host tier of num_cpu_blocks blocks or cpu_bytes_to_use bytes, when the flags above are unset.
+    kv_transfer_config: dict | str | None = None
+
+    @property
+    def offload_host_bytes(self) -> int:
+        """The host tier's bytes from the flags (a kv_transfer_config in blocks: see
+        ``offload_host_bytes_for``)."""
+        if self.kv_offload_host_bytes is not None:
+            return self.kv_offload_host_bytes
+        if self.kv_offloading_size is not None:
+            return int(self.kv_offloading_size * (1 << 30))
+        if self.kv_transfer_config is not None:
+            return self._transfer().bytes
+        return 0
+
+    def offload_host_bytes_for(self, bytes_per_token: int) -> int:
+        if self.kv_offload_host_bytes is None and self.kv_offloading_size is None and self.kv_transfer_config:
+            return self._transfer().tokens * bytes_per_token or self._transfer().bytes
+        return self.offload_host_bytes
+
+    def _transfer(self):
+        from kvledger.cache.kv_transfer_config import parse_kv_transfer_config
+
+        return parse_kv_transfer_config(self.kv_transfer_config, self.block_size)
+
+    @property
+    def offload_disk_bytes(self) -> int:
+        if self.kv_offload_dir is None:
+            return 0
+        return DEFAULT_OFFLOAD_DISK_BYTES if self.kv_offload_disk_bytes is None else self.kv_offload_disk_bytes
+
+    @property
+    def kv_offload_enabled(self) -> bool:
+        return self.offload_host_bytes_for(1) > 0 or self.offload_disk_bytes > 0
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -93,6 +138,37 @@ class CacheConfig:
         _choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo, PREFIX_CACHING_HASH_ALGOS)
         if self.kv_sink_tokens < 0 or self.kv_recent_tokens < 0:
             raise ConfigError("kv_sink_tokens and kv_recent_tokens must be >= 0")
+        self._validate_offload()
+
+    def _validate_offload(self) -> None:
+        for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, str):  # "4GiB", as on the command line
+                from kvledger.ledger.accounting import parse_size
+
+                try:
+                    v = parse_size(v)
+                except ConfigError as e:
+                    raise ConfigError(f"{name}: {e}") from None
+                setattr(self, name, v)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ConfigError(f"{name} must be a whole number of bytes >= 0 (e.g. 4GiB), got {v!r}")
+        v = self.kv_offloading_size
+        if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or v < 0):
+            raise ConfigError(f"kv_offloading_size must be GiB >= 0, got {v!r}")
+        if self.kv_transfer_config is not None:
+            self._transfer()  # a bad config is a clear error here, before anything loads
+        if self.kv_offloading_backend not in (None, "native"):
+            raise ConfigError(
+                f"kv_offloading_backend {self.kv_offloading_backend!r} is not available here: only "
+                "'native' (kvledger's own host and disk tiers)"
+            )
+        if self.kv_offload_disk_bytes and self.kv_offload_dir is None:
+            raise ConfigError("kv_offload_disk_bytes needs kv_offload_dir (where the disk tier lives)")
+        if self.kv_offload_dir is not None and not str(self.kv_offload_dir).strip():
+            raise ConfigError("kv_offload_dir must be a directory path, got an empty string")
+        if self.kv_offload_enabled and not self.enable_prefix_caching:
+            raise ConfigError("kv offloading keeps prefix-cache blocks: it needs prefix caching on")
 
 
 @dataclass
@@ -187,8 +263,14 @@ class EngineConfig:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         self.scheduler.validate()
         self.cache.validate()
+        if self.cache.kv_offload_enabled and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "kv offloading with tensor_parallel_size > 1 is not supported yet: each rank "
+                "would report its own loads and the engine waits for rank 0's only"
+            )
 
 
+DEFAULT_OFFLOAD_DISK_BYTES = 16 << 30  # the disk tier's budget when only kv_offload_dir is given
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
 QUANTIZATION_METHODS = ("int8", "int4")  # on the fly (model/quant_int8.py, model/quant_group.py)
 

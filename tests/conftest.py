@@ -58,6 +58,9 @@ def no_leaked_blocks():
         assert not kv.requests, f"block tables leaked: {list(kv.requests)}"
         if kv.host_pool is not None:
             assert kv.host_pool.num_used_blocks == 0, "host swap blocks leaked"
+        if kv.tiers is not None:  # the tiered prefix cache: no load left in flight or pinned
+            assert not kv.tiers.loading and not kv.tiers.pins, "tier loads leaked"
+            assert not eng.scheduler.tier_loading, "requests left waiting for a tier load"
         # The runner keeps nothing of a finished request either (in-process workers; a
         # tensor-parallel rank runs the same runner code on the same messages).
         runner = getattr(getattr(eng.executor, "worker", None), "runner", None)

@@ -158,3 +158,15 @@ def test_plan_malformed_config_names_the_file(tmp_path):
     r = kvledger("plan", "--model", str(tmp_path))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "config.json" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_plan_counts_the_tokens_each_prefix_cache_tier_holds():
+    """seed-70b: 320 KiB per token, 5 MiB per 16-token block; the host tier holds bytes / block
+    bytes, the disk tier bytes / (block bytes + a file header)."""
+    r = kvledger("plan", "--model", "seed-70b", "--tp", "2", "--json",
+                 "--kv-offload-host-bytes", "100GiB", "--kv-offload-disk-bytes", "1TB")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    t = json.loads(r.stdout)["tiers"]
+    block = 16 * 327_680
+    assert t["host"] == {"bytes": 100 << 30, "blocks": (100 << 30) // block, "tokens": 16 * ((100 << 30) // block)}
+    assert t["disk"]["blocks"] == 10**12 // (block + 512 + 8 * 16) and t["disk"]["tokens"] == 16 * t["disk"]["blocks"]

@@ -111,10 +111,10 @@ def test_a_request_crosses_the_wire_with_its_constraint():
         constraints.append(SO(json={"type": "object"}, whitespace_pattern=r"[ ]?"))
     for so in constraints:
         params = SamplingParams(max_tokens=5, stop=["x"], structured_outputs=so)
-        rid, ids, text, back, arrival, prio = wire.decode_add(
-            wire.encode_add("r1", [5, 6], "hi", params, 12.5, 3)
+        rid, ids, text, back, arrival, prio, salt = wire.decode_add(
+            wire.encode_add("r1", [5, 6], "hi", params, 12.5, 3, "tenant-a")
         )
-        assert (rid, ids, text, arrival, prio) == ("r1", [5, 6], "hi", 12.5, 3)
+        assert (rid, ids, text, arrival, prio, salt) == ("r1", [5, 6], "hi", 12.5, 3, "tenant-a")
         assert back == params  # dataclass equality: every field made it
         got = back.structured_outputs
         assert got.key() == so.key() and got.xgrammar_error == so.xgrammar_error

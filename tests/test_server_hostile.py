@@ -128,7 +128,7 @@ def _bodies() -> list[tuple[str, str | bytes]]:
         comp(guided_json={"type": "nonsense"}), chat(tools=[{"type": "function"}]),
         chat(tool_choice="required"), comp(use_beam_search=True), comp(tools=[{"type": "x"}]),
         comp(structured_outputs={"regex": "a("}), comp(foo=1), comp(stream_options={}),
-        comp(suffix="end"), comp(prompt=[1, 2], echo=True), comp(cache_salt="s"),
+        comp(suffix="end"), comp(prompt=[1, 2], echo=True), comp(cache_salt=""),
         chat(chat_template="{{ 1 }}"), comp(logprobs=3, logprob_token_ids=[1]),
     ]  # fmt: skip
     ops = [

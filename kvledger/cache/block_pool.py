@@ -19,6 +19,7 @@ from kvledger.cache.kv_events import (
     BlockStored,
     KVCacheEvent,
 )
+from kvledger.cache.kv_tier_messages import TierBlock
 from kvledger.errors import CacheError, OutOfBlocksError
 
 
@@ -32,6 +33,7 @@ class KVBlock:
     token_ids: tuple[int, ...] | None = None
     parent_block_id: int | None = None
     salt: str | None = None  # part of a first block's identity, verified like its tokens
+    parent_hash: int | None = None  # the previous block's chained hash (what a tier entry keeps)
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None = None) -> int:
@@ -57,6 +59,9 @@ class BlockPool:
         # KV events (vLLM's format) for changes of the prefix index, when the engine publishes
         # them; None: not recorded. Drained once per step by take_events().
         self.events: list[KVCacheEvent] | None = None
+        # The tiered cache (kvledger.cache.kv_tiers): indexed blocks evicted by an allocation,
+        # as (block id, identity), for the lower tiers to keep; None: not recorded.
+        self.evicted: list[tuple[int, TierBlock]] | None = None
 
     def enable_events(self) -> None:
         self.events = []
@@ -162,6 +167,7 @@ class BlockPool:
         blk.token_ids = token_ids
         blk.parent_block_id = parent_block_id
         blk.salt = salt
+        blk.parent_hash = parent_hash
         if self._hash_index.setdefault(block_hash, block_id) == block_id and self.events is not None:
             # Events follow the index: a duplicate of an indexed block is not findable, so not news.
             self.events.append(
@@ -180,12 +186,17 @@ class BlockPool:
             del self._hash_index[blk.block_hash]
             if record and self.events is not None:
                 self.events.append(BlockRemoved(block_hashes=[blk.block_hash], medium=MEDIUM))
+            if record and self.evicted is not None:
+                self.evicted.append(
+                    (blk.block_id, TierBlock(blk.block_hash, blk.parent_hash, blk.token_ids, blk.salt))
+                )
         if blk.ref_cnt == 0:
             self.num_cached_free -= 1
         blk.block_hash = None
         blk.token_ids = None
         blk.parent_block_id = None
         blk.salt = None
+        blk.parent_hash = None
         self.num_evictions += 1
 
     def reset_prefix_cache(self) -> int:
@@ -209,6 +220,14 @@ class BlockPool:
             elif removed:
                 self.events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
         return dropped
+
+    def indexed_blocks(self) -> list[tuple[int, TierBlock]]:
+        """(block id, identity) of every block a prefix lookup can find now."""
+        out = []
+        for block_id in self._hash_index.values():
+            b = self.blocks[block_id]
+            out.append((block_id, TierBlock(b.block_hash, b.parent_hash, b.token_ids, b.salt)))
+        return out
 
     def cached_hashes(self) -> set[int]:
         """Hashes a prefix lookup can find now (what a KV-event subscriber should hold)."""

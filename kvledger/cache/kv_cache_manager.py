@@ -24,8 +24,9 @@ from kvledger.cache.attention_policy import attention_policy, cdiv
 from kvledger.cache.block_hash import DEFAULT_HASH_ALGO, get_hash_fn
 from kvledger.cache.block_pool import BlockPool
 from kvledger.cache.kv_cache_group import KVCacheGroup, RequestTables
+from kvledger.cache.kv_tiers import KVTiers
 from kvledger.cache.table_delta import TableDeltas
-from kvledger.errors import CacheError, OutOfBlocksError
+from kvledger.errors import CacheError, ConfigError, OutOfBlocksError
 from kvledger.ledger.snapshot import LedgerSnapshot, RequestBlocks, block_fill
 
 
@@ -89,6 +90,7 @@ class KVCacheManager:
         # Counters the ledger and the metrics read (vLLM's names where they exist).
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens served from cached blocks
+        self.tiers: KVTiers | None = None  # lower tiers of the prefix cache (attach_tiers)
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -178,9 +180,36 @@ class KVCacheManager:
         # A longer prefix-closed hit truncates; the others agreed at n.
         return [h[:n] for h in hits], n * self.block_size
 
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Keep evicted prefix blocks in host memory / on disk (kvledger.cache.kv_tiers)."""
+        if self.windowed or not self.enable_prefix_caching:
+            raise ConfigError(
+                "kv offloading needs prefix caching and one full-attention KV cache group: a "
+                "sliding-window or hybrid model's hits are not prefix-closed (not supported yet)"
+            )
+        self.tiers = tiers
+        self.pool.evicted = []
+
+    def tier_hits(self, token_ids: list[int], salt: str | None, num_cached: int) -> list:
+        """The lower tiers' verified blocks right after a device hit of ``num_cached`` tokens,
+        leaving at least one prompt token to compute: [(host slot or -1, TierBlock)]."""
+        bs = self.block_size
+        n, start = (len(token_ids) - 1) // bs, num_cached // bs
+        if self.tiers is None or self.tiers.empty or start >= n:
+            return []
+        g = self.groups[0]
+        chain = g.chain(token_ids, salt, 0, n, g.hash_root)
+        parent = g.hash_root
+        for _ in range(start):
+            parent = next(chain)[0]
+        return self.tiers.lookup(chain, parent)
+
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Once per request, at its first admission; the tiers count what the device missed."""
         self.prefix_cache_queries += num_prompt_tokens
         self.prefix_cache_hits += num_hit_tokens
+        if self.tiers is not None:
+            self.tiers.query_tokens += num_prompt_tokens - num_hit_tokens
 
     # -- allocation -------------------------------------------------------------------------
     def _hits(self, computed_blocks: Sequence[list[int]]) -> Sequence[list[int]]:

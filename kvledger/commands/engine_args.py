@@ -45,6 +45,36 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-sink-tokens", type=int, default=4)
     g.add_argument("--kv-recent-tokens", type=int, default=0)
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped blocks")
+    g.add_argument(
+        "--kv-offload-dir", default=None,
+        help="directory of the disk tier of the prefix cache: evicted prefix blocks are kept in "
+        "files there (checked against the model fingerprint and a checksum) and survive restarts",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-offload-host-bytes", default=None,
+        help="host-memory tier of the prefix cache, e.g. 4GiB (default 0: none; on a CPU server "
+        "a cheap-to-evict budget beside the pool and the disk tier's staging area)",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-offload-disk-bytes", default=None,
+        help="disk tier budget, e.g. 64GiB, least recently used files deleted beyond it "
+        "(default 16GiB when --kv-offload-dir is given)",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-offloading-size", type=float, default=None,
+        help="vLLM's name: GiB of CPU memory for offloaded KV blocks (the host tier; "
+        "--kv-offload-host-bytes wins when both are given)",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-offloading-backend", default=None, choices=["native", "lmcache"],
+        help="vLLM's name: native (kvledger's host and disk tiers); lmcache is refused",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-transfer-config", default=None,
+        help="vLLM's KV connector JSON; only its OffloadingConnector maps here (the host tier), e.g. "
+        '\'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"num_cpu_blocks": 4096}}\'',
+    )  # fmt: skip
     g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     g.add_argument("--victim-policy", default="remaining", choices=["remaining", "fcfs", "priority"])
     g.add_argument("--recompute-threshold", type=int, default=None, help="recompute victims shorter than this")
@@ -197,6 +227,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["speculative_config"] = SpeculativeConfig.parse(args.speculative_config)
     if args.kv_cache_memory is not None:
         kw["kv_cache_memory"] = parse_size(args.kv_cache_memory)
+    for name in ("kv_offload_dir", "kv_offloading_size", "kv_offloading_backend", "kv_transfer_config"):
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
+    for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes"):
+        if getattr(args, name, None) is not None:
+            kw[name] = parse_size(getattr(args, name))
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
     if args.max_num_batched_tokens is not None:

@@ -25,6 +25,7 @@ from kvledger.ledger.accounting import (
     naive_vs_paged,
     parse_size,
     plan_capacity,
+    tier_capacity,
 )
 from kvledger.ledger.spec import DTYPE_BYTES, ModelSpec, load_model_spec
 from kvledger.ledger.weights import gguf_weight_bytes, quantized_weight_bytes
@@ -116,6 +117,15 @@ def add_parser(subparsers: Any) -> None:
         f"{SAMPLE_SIZE} log-normal lengths (median {SAMPLE_MEDIAN}, sigma "
         f"{SAMPLE_SIGMA}, seed {SAMPLE_SEED}) clipped to 1..context length",
     )
+    p.add_argument(
+        "--kv-offload-host-bytes", default="0",
+        help="host-memory tier of the prefix cache (kvledger serve's flag): shows the blocks and "
+        "tokens it holds (default: 0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-offload-disk-bytes", default="0",
+        help="disk tier of the prefix cache: the blocks and tokens its files hold (default: 0)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
@@ -250,6 +260,9 @@ def run(args: argparse.Namespace) -> int:
         "lengths_source": "given" if given else "sample",
         "heads_comparison": heads_comparison(spec, args, plan.tp, **kw),
     }
+    host, disk = parse_size(args.kv_offload_host_bytes), parse_size(args.kv_offload_disk_bytes)
+    if host or disk:  # the tiers hold the whole model's blocks (every rank's heads)
+        figures["tiers"] = tier_capacity(plan.model_bytes_per_token * plan.block_size, plan.block_size, host, disk)
     if args.quantization:
         label = {"int8": "int8 (W8A8)", "int4": "int4 (groups of 32)"}[args.quantization]
         plan = replace(plan, weight_source=f"{source}, {label}")
@@ -427,6 +440,10 @@ def _print_table(spec: ModelSpec, plan: CapacityPlan, f: dict[str, Any]) -> None
             f"{format_bytes(f['naive_reserved_bytes'])} / "
             f"{format_bytes(f['paged_reserved_bytes'])}" + _over_budget(plan, f),
         ),
+        *[
+            (f"prefix-cache {name} tier", f"{format_bytes(r['bytes'])}: {r['blocks']:,} blocks = {r['tokens']:,} tokens")
+            for name, r in f.get("tiers", {}).items() if r["bytes"]
+        ],
     ]
     for row in rows:
         t.add_row(*row)

@@ -74,6 +74,15 @@ def add_parser(subparsers: Any) -> None:
     m.add_argument("--max-model-len", type=int, help="context (default: the model's max positions)")
     m.add_argument("--swap-space", type=float, default=4.0, help="host swap pool, GiB (default: 4)")
     m.add_argument("--no-prefix-caching", action="store_true", help="disable prefix sharing")
+    m.add_argument(
+        "--kv-offload-host-bytes", default="0",
+        help="host-memory tier of the prefix cache, e.g. 64GiB: evicted prefix blocks are kept and "
+        "loaded back at the cost model's host bandwidth (default: 0, none)",
+    )  # fmt: skip
+    m.add_argument(
+        "--kv-offload-disk-bytes", default="0",
+        help="disk tier of the prefix cache, loaded at the cost model's disk_bandwidth (default: 0)",
+    )  # fmt: skip
 
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=int, default=256, help="default: 256")
@@ -151,6 +160,7 @@ def build_setup(args: argparse.Namespace):
         cache={"swap_space": args.swap_space, "enable_prefix_caching": not args.no_prefix_caching},
         static_batch=args.static_batch,
         naive_max_seq_len=args.naive_max_seq_len,
+        tier_bytes=(parse_size(args.kv_offload_host_bytes), parse_size(args.kv_offload_disk_bytes)),
     )
 
 

@@ -91,6 +91,8 @@ class LLMEngine:
         self.kv_event_publisher = make_publisher(config.kv_events_config, config.data_parallel_rank)
         if self.kv_event_publisher is not None:
             self.kv.pool.enable_events()
+            if self.kv.tiers is not None:
+                self.kv.tiers.events = []
         self._publish_kv_events()
 
     # -- facts the front ends read ------------------------------------------------------------
@@ -114,12 +116,15 @@ class LLMEngine:
         """Hand the pool's events since the last call to the publisher (its thread sends)."""
         if self.kv_event_publisher is not None:
             events = self.kv.pool.take_events()
+            if self.kv.tiers is not None and self.kv.tiers.events:  # medium CPU / DISK
+                events, self.kv.tiers.events = events + self.kv.tiers.events, []
             if events:
                 self.kv_event_publisher.publish(make_batch(events))
 
     def shutdown(self) -> None:
         """Flush and close the KV-event publisher (its sockets free their ports); stop the
         workers."""
+        self._close_kv_tiers()
         if self.kv_event_publisher is not None:
             self._publish_kv_events()
             self.kv_event_publisher.shutdown()
@@ -220,6 +225,8 @@ class LLMEngine:
         if trace:
             composition, start = StepTrace.composition(so, self.scheduler.requests), time.monotonic()
         ro = self._execute(so)
+        if ro.kv_tiers is not None:  # loads done: those requests run from the next step
+            self.scheduler.on_tier_report(ro.kv_tiers)
         self._account_swaps(so, ro)
         now = time.monotonic()
         for rid, vec in ro.pooler_output.items():  # pooling requests: their prompt is done
@@ -254,6 +261,22 @@ class LLMEngine:
         if trace:
             self.step_trace.record(start, time.monotonic(), composition, not self.has_unfinished_requests())
         return outputs
+
+    def _close_kv_tiers(self) -> None:
+        """A graceful shutdown writes the device's cached blocks that are on no disk yet, waits
+        for every write and saves the disk index, so a restart starts warm."""
+        tiers = self.kv.tiers
+        if tiers is None or self.executor.dead is not None or getattr(self, "_tiers_closed", False):
+            return
+        self._tiers_closed = True
+        tiers.store_all(self.kv.pool.indexed_blocks())
+        stores, _, deletes = tiers.take_ops()
+        so = SchedulerOutput(step=self.scheduler.step, kv_stores=stores, kv_deletes=deletes)
+        for ro in (self.executor.execute_model(so), None):
+            rep = ro.kv_tiers if ro is not None else self.executor.flush_kv_tiers()
+            if rep is not None:
+                tiers.on_report(rep)
+        tiers.save_index()
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         try:

@@ -15,6 +15,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # its prefix loads from a lower tier
     FINISHED = "finished"
 
 
@@ -113,3 +114,18 @@ class Request:
     def remaining_tokens(self) -> int:
         """Estimated generation still to come (the victim policy's main signal)."""
         return max(0, self.max_output_tokens - self.num_output_tokens)
+
+
+def check_stop(req: Request, token: int) -> str | None:
+    """The token-level stops after ``token`` was appended: EOS, a stop token id (both from
+    ``min_tokens`` on), then the length cap. Stop strings need text: the engine's."""
+    p = req.sampling_params
+    if req.num_output_tokens >= p.min_tokens:
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return "stop"
+    if req.num_output_tokens >= req.max_output_tokens:
+        return "length"
+    return None

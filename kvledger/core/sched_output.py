@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvledger.cache.kv_tier_messages import TierLoad, TierStore
 from kvledger.cache.table_delta import TableDeltas
 from kvledger.pooling.params import PoolingParams
 from kvledger.sampling_params import SamplingParams
@@ -50,6 +51,11 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # COW (src, dst)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    # The tiered prefix cache (kvledger.cache.kv_tiers): evicted blocks to copy out before
+    # this step writes them, tier blocks to load into fresh blocks, disk files to delete.
+    kv_stores: list[TierStore] = field(default_factory=list)
+    kv_loads: list[TierLoad] = field(default_factory=list)
+    kv_deletes: list[int] = field(default_factory=list)
     # Block-table changes since the previous step's output (the runner's only view of them).
     table_deltas: TableDeltas = field(default_factory=TableDeltas)
     grammar_bitmask: GrammarBitmask | None = None

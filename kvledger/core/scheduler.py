@@ -13,9 +13,11 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from kvledger.cache.kv_cache_manager import KVCacheManager
+from kvledger.cache.kv_tier_messages import TierReport
 from kvledger.config import CacheConfig, SchedulerConfig
+from kvledger.core.kv_loading import TierLoading
 from kvledger.core.preemption import PreemptionCostModel, select_victim
-from kvledger.core.request import Request, RequestStatus
+from kvledger.core.request import Request, RequestStatus, check_stop
 from kvledger.core.sched_output import NewRequestData, SchedulerOutput
 from kvledger.spec_decode.rejection import num_accepted
 from kvledger.spec_decode.speculator import Speculator
@@ -96,6 +98,7 @@ class Scheduler:
         # finished_req_ids).
         self.finished_req_ids: list[str] = []
         self.speculator = speculator
+        self.tier_loading = TierLoading()  # requests whose prefix loads from a lower tier
 
     # -- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -112,11 +115,11 @@ class Scheduler:
         self.running.append(child)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.tier_loading)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.tier_loading)
 
     def finish_request(self, request: Request, reason: str) -> None:
         """Retire a request now: its blocks go straight back to the pool, and the runner(s)
@@ -131,6 +134,8 @@ class Scheduler:
                 self.waiting.remove(request)
             elif request.status is RequestStatus.SWAPPED:
                 self.swapped.remove(request)
+            elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.tier_loading.cancel(self, request)
             if request.request_id in self.kv.requests:
                 self.kv.free(request.request_id)
             del self.requests[request.request_id]
@@ -263,15 +268,16 @@ class Scheduler:
             and not self.swapped
             and budget > 0
             and prefill_left > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + len(self.tier_loading) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
             if req.status is RequestStatus.WAITING and req.request_id in preempted_now:
                 break  # evicted this very step: re-admitting it now would only thrash
             salt = self._kv_salt(req)
-            if req.sampling_params.prompt_logprobs is not None or (
+            reuse = req.sampling_params.prompt_logprobs is None and not (
                 req.pooling_params is not None and req.pooling_params.needs_all_rows
-            ):
+            )
+            if not reuse:
                 computed, num_cached = [], 0  # every prompt position's logits / hidden rows are needed
             else:
                 computed, num_cached = self.kv.get_computed_blocks(req.all_token_ids, salt)
@@ -285,6 +291,12 @@ class Scheduler:
                 # A victim comes back only when its whole context fits with room to grow.
                 full = self.kv.blocks_needed(req.request_id, req.num_tokens - num_cached, computed)
                 reserve = max(reserve, full - need + self._readmit_headroom())
+            if reuse and self.kv.tiers is not None and self.tier_loading.try_start(
+                self, req, computed, num_cached, salt, reserve
+            ):
+                self.waiting.popleft()
+                out.admitted.append(req.request_id)
+                continue
             if need + reserve > self.kv.num_free_blocks:
                 break
             ok = self.kv.allocate_slots(req.request_id, n, computed, salt)
@@ -308,8 +320,16 @@ class Scheduler:
             req.steps_waited += 1
         out.blocks_to_copy = self.kv.take_block_copies()
         out.table_deltas = self.kv.take_table_deltas()
+        if self.kv.tiers is not None:
+            self.kv.tiers.on_evicted(self.kv.pool.evicted)
+            self.kv.pool.evicted = []
+            out.kv_stores, out.kv_loads, out.kv_deletes = self.kv.tiers.take_ops()
         self._describe_batch(plan, out)
         return out
+
+    def on_tier_report(self, rep: TierReport) -> None:
+        """The worker's tier answer: loaded requests run from their loaded prefix."""
+        self.tier_loading.finish(self, rep)
 
     @staticmethod
     def _drop_drafts(plan: list[tuple[Request, int]], items: list[tuple[str, int]]) -> int:
@@ -577,17 +597,3 @@ class Scheduler:
             i = len(queue)
         queue.insert(i, req)
 
-
-def check_stop(req: Request, token: int) -> str | None:
-    """The token-level stops after ``token`` was appended: EOS, a stop token id (both from
-    ``min_tokens`` on), then the length cap. Stop strings need text: the engine's."""
-    p = req.sampling_params
-    if req.num_output_tokens >= p.min_tokens:
-        if not p.ignore_eos and token in req.eos_token_ids:
-            return "stop"
-        if token in p.stop_token_ids:
-            req.stop_reason = token
-            return "stop"
-    if req.num_output_tokens >= req.max_output_tokens:
-        return "length"
-    return None

@@ -100,6 +100,7 @@ class AsyncCoreEngine(StreamingFront):
         request_id: str,
         priority: int = 0,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Tokenize here, send to a core, return once it accepted the request (or raise the
         core's InvalidRequestError: the checks are the engine's own, ``add_served_request``)."""
@@ -119,7 +120,7 @@ class AsyncCoreEngine(StreamingFront):
         self._engine_of[request_id] = idx
         self._in_flight[idx] += 1
         try:
-            await self.clients[idx].add_request(request_id, ids, text, params, arrival, priority)
+            await self.clients[idx].add_request(request_id, ids, text, params, arrival, priority, cache_salt)
         except BaseException:
             self.abort(request_id)
             raise

@@ -95,6 +95,7 @@ class AsyncEngine(StreamingFront):
         request_id: str,
         priority: int = 0,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Tokenize, validate and queue a request; raises InvalidRequestError before queueing
         (``add_served_request``)."""
@@ -111,7 +112,7 @@ class AsyncEngine(StreamingFront):
                 text: str | None = prompt
             else:
                 ids, text = list(prompt), None
-            add_served_request(eng, request_id, ids, text, params, arrival, priority)
+            add_served_request(eng, request_id, ids, text, params, arrival, priority, cache_salt)
             if self.observer is not None:
                 self.observer.on_request_added(len(ids))
             return ids

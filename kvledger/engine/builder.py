@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from kvledger.cache.attention_policy import cdiv
+from kvledger.cache.kv_block_file import OffloadSpec, model_directory, model_fingerprint
+from kvledger.cache.kv_tiers import KVTiers
 from kvledger.config import EngineConfig
 from kvledger.core.engine import LLMEngine
 from kvledger.core.preemption import PreemptionCostModel
@@ -35,6 +37,7 @@ from kvledger.ledger.accounting import (
     ModelSpec,
     kv_bytes_per_token,
     per_request_overhead_bytes,
+    tier_capacity,
 )
 from kvledger.ledger.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from kvledger.model.loader import LoadedModel, load_model
@@ -140,6 +143,9 @@ def _build(config: EngineConfig, device: torch.device, tokenizer_job: Future) ->
         num_blocks = _num_blocks(config, facts, budget - reserved, bytes_per_block)
     facts.num_blocks = num_blocks
     kv = build_kv_manager(sc, cc, num_blocks, facts.bytes_per_token, facts.kv_layout.windows)
+    offload = _offload_spec(config, facts, bytes_per_block)
+    if offload is not None:
+        kv.attach_tiers(KVTiers(offload, cc.block_size))
     lay = facts.kv_layout
     spec = replace(
         spec,
@@ -155,6 +161,7 @@ def _build(config: EngineConfig, device: torch.device, tokenizer_job: Future) ->
         warm_up_gemm_rows=(sc.max_num_batched_tokens, sc.max_num_seqs) if config.warm_up_gemm_shapes else None,
         gemm_dispatch_rows=sc.max_num_batched_tokens,
         populate_kv_cache=config.populate_kv_cache,
+        kv_offload=offload,
     )
     executor = _start_workers(config, spec, worker, facts, device, backend)
     try:
@@ -380,6 +387,39 @@ def _start_workers(
         logger.info("oneDNN GEMM shapes created at start-up per rank: %s",
                     [r.gemm_shapes_warmed for r in ex.ranks])
     return ex
+
+
+def _offload_spec(config: EngineConfig, facts: ModelFacts, bytes_per_block: int) -> OffloadSpec | None:
+    """The tiered prefix cache's shape (kvledger.cache.kv_tiers), or None when it is off. The
+    fingerprint covers the checkpoint and every fact that changes a block's bytes."""
+    cc = config.cache
+    if not cc.kv_offload_enabled:
+        return None
+    sp = facts.spec
+    block_facts = {
+        "format": 1, "dtype": str(facts.dtype).removeprefix("torch."),
+        "kv_cache_dtype": cc.kv_cache_dtype, "block_size": cc.block_size,
+        "hash_algo": cc.prefix_caching_hash_algo, "quantization": config.quantization,
+        "layers": [sp.num_layers, sp.num_kv_heads, sp.head_dim], "tp_size": config.tensor_parallel_size,
+    }  # fmt: skip
+    fingerprint = model_fingerprint(config.model, block_facts)
+    directory = None
+    if cc.offload_disk_bytes:
+        root = os.path.expanduser(cc.kv_offload_dir)
+        directory = model_directory(root, fingerprint)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            if not os.path.isdir(root):
+                raise ConfigError(f"kv_offload_dir {cc.kv_offload_dir!r} cannot be created: {e}") from None
+            # It exists but cannot be written (read-only): every write fails and is reported once.
+    host = cc.offload_host_bytes_for(facts.bytes_per_token)
+    cap = tier_capacity(bytes_per_block, cc.block_size, host, cc.offload_disk_bytes)
+    return OffloadSpec(
+        fingerprint=fingerprint, num_host_blocks=cap["host"]["blocks"],
+        num_disk_blocks=cap["disk"]["blocks"], block_bytes=bytes_per_block,
+        directory=directory, facts=block_facts,
+    )  # fmt: skip
 
 
 def _check_pools(executor: Executor, bytes_per_block: int, tp: int) -> None:

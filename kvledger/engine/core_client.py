@@ -137,8 +137,9 @@ class EngineCoreClient:
 
     # -- requests (event loop) ------------------------------------------------------------------
     def add_request(
-        self, rid: str, ids: list[int], text: str | None, params: Any, arrival: float, priority: int
-    ) -> asyncio.Future:
+        self, rid: str, ids: list[int], text: str | None, params: Any, arrival: float, priority: int,
+        cache_salt: str | None = None,
+    ) -> asyncio.Future:  # fmt: skip
         """Send a request; the future resolves when the core accepted it (or holds its error)."""
         fut = asyncio.get_running_loop().create_future()
         with self._lock:
@@ -147,7 +148,7 @@ class EngineCoreClient:
                 return fut
             self._acks[rid] = fut
         self._in.send_multipart(
-            [wire.ADD, wire.encode_add(rid, ids, text, params, arrival, priority)]
+            [wire.ADD, wire.encode_add(rid, ids, text, params, arrival, priority, cache_salt)]
         )
         return fut
 

@@ -149,11 +149,11 @@ class EngineCore:
         kind, body = frames[0].bytes, frames[1].buffer if len(frames) > 1 else b""
         eng = self.engine
         if kind == wire.ADD:
-            rid, ids, text, raw_params, arrival, priority = wire.decode_add_envelope(body)
+            rid, ids, text, raw_params, arrival, priority, salt = wire.decode_add_envelope(body)
             err = None
             try:  # a request that fails to unpickle is its own error, never the core's
                 params = wire.load(raw_params)
-                add_served_request(eng, rid, ids, text, params, arrival, priority)
+                add_served_request(eng, rid, ids, text, params, arrival, priority, salt)
             except Exception as e:  # the caller's error (bad request): theirs alone
                 err = e
             self.out.send_multipart([wire.ACK, wire.dump((rid, err))])

@@ -18,7 +18,7 @@ import msgspec
 from kvledger.outputs import PoolingRequestOutput, RequestOutput
 
 # front end -> core
-ADD = b"A"  # (request id, prompt ids, prompt text, pickled params, arrival, priority)
+ADD = b"A"  # (request id, prompt ids, prompt text, pickled params, arrival, priority, cache salt)
 ABORT = b"X"  # [request id, ...]
 QUERY = b"Q"  # pickled (query id, name, args)
 SHUTDOWN = b"S"
@@ -32,7 +32,7 @@ DEAD = b"D"  # pickled exception: the core stopped
 _encoder = msgspec.msgpack.Encoder()
 # Generation and pooling outputs travel as two lists (msgpack cannot tell the dataclasses apart).
 _outputs_decoder = msgspec.msgpack.Decoder(tuple[list[RequestOutput], list[PoolingRequestOutput]])
-_add_decoder = msgspec.msgpack.Decoder(tuple[str, list[int], str | None, bytes, float, int])
+_add_decoder = msgspec.msgpack.Decoder(tuple[str, list[int], str | None, bytes, float, int, str | None])
 _abort_decoder = msgspec.msgpack.Decoder(list[str])
 
 
@@ -49,20 +49,23 @@ def decode_outputs(body: bytes) -> list[RequestOutput | PoolingRequestOutput]:
 
 
 def encode_add(
-    rid: str, ids: list[int], text: str | None, params: Any, arrival: float, priority: int
-) -> bytes:
-    return _encoder.encode((rid, ids, text, pickle.dumps(params, protocol=5), arrival, priority))
+    rid: str, ids: list[int], text: str | None, params: Any, arrival: float, priority: int,
+    cache_salt: str | None = None,
+) -> bytes:  # fmt: skip
+    return _encoder.encode(
+        (rid, ids, text, pickle.dumps(params, protocol=5), arrival, priority, cache_salt)
+    )
 
 
-def decode_add_envelope(body: bytes) -> tuple[str, list[int], str | None, bytes, float, int]:
+def decode_add_envelope(body: bytes) -> tuple[str, list[int], str | None, bytes, float, int, str | None]:
     """ADD with its SamplingParams still pickled (the core unpickles it under the request's
     own error handling)."""
     return _add_decoder.decode(body)
 
 
-def decode_add(body: bytes) -> tuple[str, list[int], str | None, Any, float, int]:
-    rid, ids, text, params, arrival, priority = decode_add_envelope(body)
-    return rid, ids, text, pickle.loads(params), arrival, priority
+def decode_add(body: bytes) -> tuple[str, list[int], str | None, Any, float, int, str | None]:
+    rid, ids, text, params, arrival, priority, salt = decode_add_envelope(body)
+    return rid, ids, text, pickle.loads(params), arrival, priority, salt
 
 
 def encode_abort(rids: list[str]) -> bytes:

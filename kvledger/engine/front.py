@@ -46,6 +46,7 @@ def add_served_request(
     params: SamplingParams,
     arrival: float,
     priority: int,
+    cache_salt: str | None = None,
 ) -> None:
     """Admit a server's request into the engine (the engine thread, or an engine core).
 
@@ -60,7 +61,7 @@ def add_served_request(
             f"{len(ids) + max_tokens} were requested ({len(ids)} in the prompt, "
             f"{max_tokens} for the completion); reduce the prompt or max_tokens"
         )
-    eng.add_request(ids, params, request_id, arrival_time=arrival, priority=priority)
+    eng.add_request(ids, params, request_id, arrival_time=arrival, priority=priority, cache_salt=cache_salt)
     if text is not None:
         eng.groups[request_id].prompt = text
 

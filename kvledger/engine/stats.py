@@ -42,6 +42,8 @@ class EngineStats:
     # Per tensor-parallel rank (one entry on one device): the real pool, and what it holds now.
     rank_pool_bytes: list[int] = field(default_factory=list)
     rank_used_bytes: list[int] = field(default_factory=list)
+    # The tiered prefix cache's counters (KVTiers.flat_stats; empty when off).
+    tiers: dict[str, float] = field(default_factory=dict)
 
 
 def capture_stats(engine: LLMEngine) -> EngineStats:
@@ -65,6 +67,7 @@ def capture_stats(engine: LLMEngine) -> EngineStats:
         **_spec_stats(snap.speculation, engine),
         rank_pool_bytes=[r["device_pool_bytes"] for r in snap.ranks] or [snap.device_pool_bytes],
         rank_used_bytes=[r["used_bytes"] for r in snap.ranks] or [snap.used_bytes],
+        tiers=engine.kv.tiers.flat_stats() if engine.kv.tiers is not None else {},
     )
 
 

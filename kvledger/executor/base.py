@@ -11,6 +11,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+from kvledger.cache.kv_tier_messages import TierReport
 from kvledger.core.sched_output import SchedulerOutput
 from kvledger.worker.messages import WorkerReady, WorkerStats
 from kvledger.worker.model_runner import ModelRunnerOutput
@@ -45,6 +46,10 @@ class Executor(ABC):
     def time_swap(self, num_blocks: int, repeats: int) -> tuple[int, float, float, float] | None:
         """(blocks moved, seconds of one batched swap-out of them, of one swap-in, of a
         one-block round trip), best of ``repeats``; None where it cannot be measured here."""
+        return None
+
+    def flush_kv_tiers(self) -> TierReport | None:
+        """Wait for the tiered cache's disk writes (a graceful shutdown) and report them."""
         return None
 
     @abstractmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvledger.cache.kv_tier_messages import TierReport
 from kvledger.core.sched_output import SchedulerOutput
 from kvledger.executor.base import Executor, best_time
 from kvledger.worker.messages import WorkerStats
@@ -19,6 +20,14 @@ class LocalExecutor(Executor):
 
     def stats(self) -> WorkerStats:
         return self.worker.stats()
+
+    def flush_kv_tiers(self) -> TierReport | None:
+        tiers = self.worker.tiers
+        if tiers is None:
+            return None
+        rep = tiers.flush()
+        tiers.close()
+        return rep
 
     def shutdown(self) -> None:
         pass  # the worker is this process's memory

@@ -458,3 +458,21 @@ def format_bytes(n: float) -> str:
         return f"{int(n):,} B"
     binary, decimal = [("KiB", "KB"), ("MiB", "MB"), ("GiB", "GB"), ("TiB", "TB")][k - 1]
     return f"{n / 1024**k:.2f} {binary} ({n / 1000**k:.2f} {decimal})"
+
+
+def block_file_bytes(bytes_per_block: int, block_size: int) -> int:
+    """One block file of the disk tier: the payload plus its header (magic, JSON with the
+    fingerprint, facts, identity and token ids: about 512 B + 8 B per token; an estimate)."""
+    return bytes_per_block + 512 + 8 * block_size
+
+
+def tier_capacity(bytes_per_block: int, block_size: int, host_bytes: int, disk_bytes: int) -> dict:
+    """Blocks and tokens each lower tier of the prefix cache holds within its bytes
+    (kvledger/cache/kv_tiers.py; the engine sizes its tiers with this)."""
+    host = host_bytes // bytes_per_block if bytes_per_block else 0
+    disk = disk_bytes // block_file_bytes(bytes_per_block, block_size) if bytes_per_block else 0
+    return {
+        "host": {"bytes": host_bytes, "blocks": host, "tokens": host * block_size},
+        "disk": {"bytes": disk_bytes, "blocks": disk, "tokens": disk * block_size,
+                 "file_bytes": block_file_bytes(bytes_per_block, block_size)},
+    }  # fmt: skip

@@ -86,6 +86,7 @@ def totals(snap: LedgerSnapshot, max_model_len: int, reference_bytes_per_token: 
         "swap_out_bytes": snap.swap_out_bytes,
         "swap_in_bytes": snap.swap_in_bytes,
         "cow_copies": snap.cow_copies,
+        "tiers": snap.tiers,  # the prefix cache's host and disk tiers (None: off)
     }
 
 

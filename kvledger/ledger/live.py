@@ -83,4 +83,6 @@ def live_ledger(
     snap.swap_out_seconds = swaps.out_s
     snap.swap_in_seconds = swaps.in_s
     snap.speculation = speculation
+    if getattr(kv, "tiers", None) is not None:
+        snap.tiers = kv.tiers.stats()
     return snap

@@ -65,6 +65,10 @@ class LedgerSnapshot:
     # their bytes, the blocks its rollbacks released (every rejected draft's slot is released
     # in the step that rejects it, so between steps none is held), and the running totals.
     speculation: dict | None = None
+    # The tiered prefix cache (None: off): per tier ("host", "disk") its capacity, blocks and
+    # bytes held, hits and blocks stored; the tokens it served; load / store traffic with bytes
+    # per second (kvledger/cache/kv_tiers.py).
+    tiers: dict | None = None
 
     # The real device allocation behind the ledger (not the formula): the pool's tensors and the
     # overlay, and on CUDA the profiled split of the device (worker/gpu_memory.py).

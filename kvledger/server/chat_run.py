@@ -157,8 +157,9 @@ class ChatRun:
             raise APIError(400, "this endpoint answers with one choice", param="n")
         prepared = prepare_chat(ctx, body)
         (stream,) = await ctx.add_all(
-            [prepared.prompt], prepared.params, rid, priority, prepared.add_special_tokens
-        )
+            [prepared.prompt], prepared.params, rid, priority, prepared.add_special_tokens,
+            cache_salt=body.cache_salt,
+        )  # fmt: skip
         return cls(ctx, prepared, stream)
 
     @property

@@ -102,7 +102,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     # serving features of vLLM's deployment
     "kv_transfer_params": ((None,), _DISAGG),
     "ec_transfer_params": ((None,), _DISAGG),
-    "cache_salt": ((None,), "prefix-cache salting is not implemented"),
+    "cache_salt": ((None,), "cache_salt is taken by /v1/completions and /v1/chat/completions"),
     "vllm_xargs": ((None, {}), "no extension takes extra arguments"),
     "stream_interval": ((None, 1), "every step's output is streamed"),
     "session_id": ((None,), "sessions are not implemented"),

@@ -142,6 +142,7 @@ class _EngineCollector:
             c.add_metric([m, "out"], s.swap_out_bytes)
             c.add_metric([m, "in"], s.swap_in_bytes)
         yield c
+        yield from _tier_families(m, s.tiers, with_samples)
 
 
     def _vllm_families(self, s: EngineStats, with_samples: bool, per_engine: list[EngineStats] | None = None):
@@ -188,6 +189,49 @@ class _EngineCollector:
             for i, e in engines:
                 for pos, n in sorted(e.spec_accepted_per_pos.items()):
                     c.add_metric([self.model_name, str(i), str(pos)], n)
+        yield c
+
+
+_TIER_GAUGES = (
+    ("blocks", "KV blocks the tier of the prefix cache holds."),
+    ("bytes", "Bytes of KV blocks the tier holds."),
+    ("capacity_bytes", "The tier's byte budget (LRU beyond it)."),
+)
+_TIER_COUNTERS = (
+    ("hits", "Prefix blocks loaded from the tier into the device pool."),
+    ("stored", "KV blocks stored into the tier."),
+)
+
+
+def _tier_families(m: str, t: dict[str, float], with_samples: bool):
+    """The tiered prefix cache (kvledger/cache/kv_tiers.py): vLLM's external prefix-cache
+    counters (its KV connector's; here: tokens looked up past the device hit, tokens served by
+    a lower tier) and per-tier series, labelled ``tier`` (host | disk)."""
+    for name, doc, key in (
+        ("external_prefix_cache_queries", "External prefix cache queries from KV connector, in tokens.", "query_tokens"),
+        ("external_prefix_cache_hits", "External prefix cache hits from KV connector, in tokens.", "hit_tokens"),
+    ):  # fmt: skip
+        c = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name", "engine"])
+        if with_samples and t:
+            c.add_metric([m, ENGINE_INDEX], t.get(key, 0))
+        yield c
+    for kind, table in ((GaugeMetricFamily, _TIER_GAUGES), (CounterMetricFamily, _TIER_COUNTERS)):
+        for name, doc in table:
+            fam = kind(f"kvledger:kv_tier_{name}", doc, labels=["model_name", "tier"])
+            if with_samples and t:
+                for tier in ("host", "disk"):
+                    fam.add_metric([m, tier], t.get(f"{tier}_{name}", 0))
+            yield fam
+    for unit in ("bytes", "seconds"):
+        c = CounterMetricFamily(
+            f"kvledger:kv_tier_transfer_{unit}",
+            f"{unit.capitalize()} of block transfers to (store) and from (load) each tier.",
+            labels=["model_name", "tier", "direction"],
+        )
+        if with_samples and t:
+            for tier in ("host", "disk"):
+                for d in ("store", "load"):
+                    c.add_metric([m, tier, d], t.get(f"traffic_{tier}_{d}_{unit}", 0))
         yield c
 
 

@@ -106,6 +106,9 @@ class _SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     priority: Int64 = 0  # lower runs first under --victim-policy priority
     request_id: str | None = Field(None, max_length=128)
+    # vLLM's tenant isolation: enters the first KV block's hash, so requests with another salt
+    # (or none) never share a cached block with this one, in any tier (cache/kv_tiers.py).
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # Structured outputs (kvledger/server/structured_fields.py): OpenAI's and vLLM's fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

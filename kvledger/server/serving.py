@@ -90,13 +90,16 @@ class ServingContext:
         rid: str,
         priority: int,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
                 sub = rid if len(prompts) == 1 else f"{rid}-{i}"
                 streams.append(
-                    await self.aengine.add_request(p, params, sub, priority, add_special_tokens)
+                    await self.aengine.add_request(
+                        p, params, sub, priority, add_special_tokens, cache_salt=cache_salt
+                    )
                 )
         except BaseException:
             for s in streams:

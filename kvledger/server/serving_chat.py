@@ -38,7 +38,9 @@ def mount_chat(app: FastAPI, ctx: ServingContext) -> None:
         parser = ctx.config.tool_call_parser
         rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await ctx.add_all([prompt], params, rid, body.priority, add_special)
+        streams = await ctx.add_all(
+            [prompt], params, rid, body.priority, add_special, cache_salt=body.cache_salt
+        )
         if body.stream:
 
             def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:

@@ -37,7 +37,9 @@ def mount_completions(app: FastAPI, ctx: ServingContext) -> None:
         ctx.check_params(params, len(prompts))
         rid = f"cmpl-{body.request_id or uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await ctx.add_all(prompts, params, rid, body.priority, body.add_special_tokens)
+        streams = await ctx.add_all(
+            prompts, params, rid, body.priority, body.add_special_tokens, cache_salt=body.cache_salt
+        )
         echo = [p if isinstance(p, str) else "" for p in prompts] if body.echo else None
         ids = bool(body.return_token_ids)
 

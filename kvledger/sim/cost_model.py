@@ -30,6 +30,7 @@ from kvledger.errors import ConfigError
 from kvledger.ledger.accounting import ModelSpec, kv_bytes_per_token
 
 PCIE4_X16_BYTES_PER_S = 25e9  # the seed's figure: 1 GB in 40 ms
+NVME_READ_BYTES_PER_S = 2e9  # a PCIe 3 NVMe drive's sequential read, with the checksum
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,11 @@ class StepCostModel:
     c: float  # seconds per context token of each scheduled request (KV read by attention)
     d: float = 0.0  # seconds per attended (query, key) pair (prefill attention FLOPs)
     swap_bandwidth: float = PCIE4_X16_BYTES_PER_S  # bytes/s per direction
+    # The tiered prefix cache (kvledger/cache/kv_tiers.py): host-tier copies (0: swap_bandwidth,
+    # the same link) and disk-tier reads, bytes/s. Stores to host are in the step; disk writes
+    # and all loads overlap the steps (the worker's threads): a load delays only its request.
+    host_bandwidth: float = 0.0
+    disk_bandwidth: float = NVME_READ_BYTES_PER_S
     name: str = "custom"
     source: str = ""  # how the coefficients were obtained
     fit: dict[str, Any] = field(default_factory=dict)  # calibration details (residuals, steps)
@@ -88,7 +94,16 @@ class StepCostModel:
 
     def step_time(self, so: SchedulerOutput, bytes_per_block: int) -> float:
         swapped = (len(so.blocks_to_swap_out) + len(so.blocks_to_swap_in)) * bytes_per_block
-        return self.compute_time(*self.step_features(so)) + self.swap_time(swapped)
+        stored = sum(1 for s in so.kv_stores if s.host_slot >= 0) * bytes_per_block
+        return (
+            self.compute_time(*self.step_features(so)) + self.swap_time(swapped)
+            + stored / (self.host_bandwidth or self.swap_bandwidth)
+        )  # fmt: skip
+
+    def tier_load_time(self, host_blocks: int, disk_blocks: int, bytes_per_block: int) -> float:
+        """Seconds to load a request's tier blocks (from host memory, then disk)."""
+        host = host_blocks * bytes_per_block / (self.host_bandwidth or self.swap_bandwidth)
+        return host + disk_blocks * bytes_per_block / self.disk_bandwidth
 
     def prefill_coeffs(self) -> tuple[float, float, float]:
         """Marginal cost of recomputing n tokens inside a batch: (b + c) n + d n (n + 1) / 2."""
@@ -123,8 +138,8 @@ class StepCostModel:
         for k in ("a", "b", "c"):
             if k not in raw:
                 raise ConfigError(f"{path}: cost model needs field {k!r} (seconds)")
-        for k in ("a", "b", "c", "d", "swap_bandwidth"):
-            v = raw.get(k, 0.0 if k == "d" else 1.0)
+        for k in ("a", "b", "c", "d", "swap_bandwidth", "host_bandwidth", "disk_bandwidth"):
+            v = raw.get(k, 0.0 if k in ("d", "host_bandwidth") else 1.0)
             if (
                 isinstance(v, bool)
                 or not isinstance(v, int | float)

@@ -37,6 +37,7 @@ class SimSetup:
     max_model_len: int | None = None  # None: the model's max positions (4096 if unknown)
     cost_model: str | StepCostModel | None = None  # None: cpu-measured for folders, else H100
     swap_bandwidth: float | None = None  # bytes/s, overrides the cost model's
+    tier_bytes: tuple[int, int] = (0, 0)  # the prefix cache's host and disk tiers (bytes)
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig fields
     cache: dict[str, Any] = field(default_factory=dict)  # CacheConfig fields
     static_batch: int | None = None
@@ -151,6 +152,7 @@ class SimSetup:
             static_batch=self.static_batch,
             naive_max_seq_len=self.naive_max_seq_len,
             windows=self.windows,
+            tier_bytes=self.tier_bytes,
         )
 
     def run(self, trace: list[TraceRequest]) -> SimResult:

@@ -25,17 +25,55 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvledger.cache.kv_block_file import OffloadSpec
+from kvledger.cache.kv_tier_messages import TierReport
+from kvledger.cache.kv_tiers import KVTiers
 from kvledger.config import CacheConfig, SchedulerConfig
 from kvledger.core.preemption import PreemptionCostModel
 from kvledger.core.request import Request
 from kvledger.core.sched_output import SchedulerOutput
 from kvledger.core.scheduler import Scheduler
 from kvledger.errors import ConfigError
+from kvledger.ledger.accounting import tier_capacity
 from kvledger.sampling_params import SamplingParams
 from kvledger.sim.cost_model import StepCostModel
 from kvledger.sim.trace import TraceRequest
 
 _GiB = 1 << 30
+
+
+def sim_tiers(bytes_per_block: int, block_size: int, host_bytes: int, disk_bytes: int) -> KVTiers:
+    """The tiered prefix cache's index as the engine sizes it (``tier_capacity``), no files."""
+    cap = tier_capacity(bytes_per_block, block_size, host_bytes, disk_bytes)
+    spec = OffloadSpec("simulated", cap["host"]["blocks"], cap["disk"]["blocks"], bytes_per_block)
+    return KVTiers(spec, block_size)
+
+
+class _TierLoads:
+    """Tier loads in flight in the simulator: each is done ``tier_load_time`` after its step
+    starts (the worker's loader overlaps the steps); disk writes are confirmed at once."""
+
+    def __init__(self, cost: StepCostModel, bytes_per_block: int) -> None:
+        self.cost, self.bytes_per_block = cost, bytes_per_block
+        self.pending: list[tuple[float, str, int]] = []  # (done at, request id, blocks)
+        self.stored: list[int] = []
+
+    def start(self, so: SchedulerOutput, clock: float) -> None:
+        for job in so.kv_loads:
+            host = sum(1 for s in job.host_slots if s >= 0)
+            t = self.cost.tier_load_time(host, len(job.host_slots) - host, self.bytes_per_block)
+            self.pending.append((clock + t, job.req_id, len(job.block_ids)))
+        self.stored += [s.block.block_hash for s in so.kv_stores if s.to_disk]
+
+    def next_done(self) -> float:
+        return min(t for t, _, _ in self.pending)
+
+    def report(self, sched: Scheduler, clock: float) -> None:
+        done = {rid: n for t, rid, n in self.pending if t <= clock}
+        if done or self.stored:
+            self.pending = [p for p in self.pending if p[1] not in done]
+            sched.on_tier_report(TierReport(loads_done=done, stores_done=self.stored))
+            self.stored = []
 
 
 class SimulationStalled(RuntimeError):
@@ -244,6 +282,7 @@ class Simulator:
         static_batch: int | None = None,
         naive_max_seq_len: int | None = None,
         windows: list[int | None] | None = None,
+        tier_bytes: tuple[int, int] = (0, 0),
     ) -> None:
         """``windows``: each KV cache group's sliding window, as the engine's layout has them
         (``[w]``: every layer attends to w tokens; several: a hybrid model's groups, and
@@ -272,6 +311,8 @@ class Simulator:
             windows,
         )
         self.kv = self.scheduler.kv
+        if any(tier_bytes):  # host and disk tiers of the prefix cache, an index without files
+            self.kv.attach_tiers(sim_tiers(self.bytes_per_block, cache_config.block_size, *tier_bytes))
         self.max_seq_len = naive_max_seq_len or scheduler_config.max_model_len
         self.trace = sorted(trace, key=lambda r: r.arrival_time)
         self._validate()
@@ -309,6 +350,7 @@ class Simulator:
         clock = self.trace[0].arrival_time
         last_key = -math.inf
         empty_steps = 0
+        loads = _TierLoads(cost, self.bytes_per_block)
 
         def token(req: Request) -> int:
             return placeholder_token(int(req.request_id), req.num_tokens)
@@ -341,7 +383,12 @@ class Simulator:
             dt = cost.step_time(so, self.bytes_per_block)
             rec.duration = dt
             steps.append(rec)
+            loads.start(so, clock)
             if not (so.req_ids or so.blocks_to_swap_out or so.blocks_to_swap_in):
+                if loads.pending:  # only tier loads in flight: time passes until one is done
+                    clock = max(clock, loads.next_done())
+                    loads.report(sched, clock)
+                    continue
                 for rid in so.ended:
                     record_finish(by_id[rid][0], clock)
                 empty_steps = 0 if (so.ended or so.preempted) else empty_steps + 1
@@ -353,6 +400,7 @@ class Simulator:
             for rid in so.ended:
                 record_finish(by_id[rid][0], clock)
             finished = apply_step_update(sched, so, token, clock)
+            loads.report(sched, clock)
             if on_step is not None:
                 on_step(so, clock, finished)
 

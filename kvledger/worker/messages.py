@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvledger.cache.kv_block_file import OffloadSpec
 from kvledger.worker.model_runner import ModelRunnerOutput
 
 
@@ -52,6 +53,8 @@ class WorkerSpec:
     populate_kv_cache: bool = False
     # CUDA graphs of decode steps for up to this many requests (0: none; worker/cuda_graphs.py).
     cuda_graph_max_seqs: int = 0
+    # The tiered prefix cache's host and disk tiers (storage/kv_tiers.py); None: off.
+    kv_offload: OffloadSpec | None = None
     # Tensor parallelism: torch threads per rank, the collective backend, its timeout.
     num_threads: int = 1
     dist_backend: str = "gloo"
@@ -70,6 +73,7 @@ class WorkerReady:
     device_pool_bytes: int
     host_pool_bytes: int
     weight_bytes: int
+    tier_host_bytes: int = 0  # the tiered prefix cache's host tier (storage/kv_tiers.py)
     gemm_shapes_warmed: int = 0  # GEMMs run at start-up by warm_up_gemm_rows
     gemm_dispatch: str = ""  # which kernel takes which rows (GemmDispatch.describe), CPU only
     draft_bytes_per_block: int = 0  # of bytes_per_block, the draft model's KV

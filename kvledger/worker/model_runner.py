@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvledger.cache.kv_tier_messages import TierReport
 from kvledger.core.sched_output import SchedulerOutput
 from kvledger.kernels import native
 from kvledger.logprobs import Logprob
@@ -52,6 +53,7 @@ class ModelRunnerOutput:
     pooler_output: dict[str, list[float]] = field(default_factory=dict)  # pooling requests done
     swap_out_seconds: float = 0.0
     swap_in_seconds: float = 0.0
+    kv_tiers: TierReport | None = None  # the tiered prefix cache's loads / stores (storage/kv_tiers.py)
 
 
 @dataclass
@@ -87,6 +89,7 @@ class ModelRunner:
         rope_long_from: int | None = None,
         graphs=None,
         drafter=None,
+        tiers=None,
     ) -> None:
         """``layer_group``: a hybrid model's group of each layer (None: one group), and
         ``layer_caches`` each layer's cache (shared tensors when grouped); ``rope_long_from``:
@@ -108,6 +111,7 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.graphs = graphs
         self.drafter = drafter
+        self.tiers = tiers  # storage.kv_tiers.TierWorker: moves blocks to / from lower tiers
         self._forks: list[tuple[str, str]] = []  # n > 1 (parent, child) forked this step
         self.pooler = PoolingAccumulator()  # pooling requests' partial pools across chunks
         # Quantised KV with sinks / a recent window: which full-precision overlay slot each
@@ -257,6 +261,8 @@ class ModelRunner:
         than 0, which still compute every logits row: the all-gather needs them)."""
         out = ModelRunnerOutput()
         self.update_states(so)
+        if self.tiers is not None:  # stores read blocks before this step's copies write them
+            out.kv_tiers = self.tiers.step(so)
         self.apply_block_ops(so, out)
         if self.drafter is not None:
             self.drafter.sync(so)

@@ -64,6 +64,7 @@ class Worker:
         self.drafter: Drafter | None = None
         self.kv_pool: KVCachePool | None = None
         self.host_pool: HostKVPool | None = None
+        self.tiers = None  # storage.kv_tiers.TierWorker when the tiered prefix cache is on
         self.runner: ModelRunner | None = None
         self.ready: WorkerReady | None = None
         if spec.num_blocks:
@@ -127,12 +128,19 @@ class Worker:
                 model, pool.layers, spec.cuda_graph_max_seqs, self.loaded.max_model_len,
                 spec.block_size, attn.num_kv_heads, self.device,
             )  # fmt: skip
+        if spec.kv_offload is not None:
+            from kvledger.storage.kv_tiers import TierWorker
+
+            self.tiers = TierWorker(spec.kv_offload, pool, self.rank)
         self.runner = ModelRunner(
             model, pool, self.host_pool, spec.block_size, self.device, seed=spec.seed,
             eos_token_ids=tuple(self.loaded.eos_token_ids), layer_group=spec.layer_group,
             layer_caches=layer_caches, rope_long_from=spec.rope_long_from, graphs=graphs,
             drafter=self.drafter,
+            tiers=self.tiers,
         )  # fmt: skip
+        if self.tiers is not None:
+            self.tiers.overlay = self.runner.overlay  # quantised KV: sinks kept beside block 0
         self.ready = WorkerReady(
             rank=self.rank,
             pid=os.getpid(),
@@ -142,6 +150,7 @@ class Worker:
             device_pool_bytes=pool.data.numel() * pool.data.element_size()
             + spec.num_blocks * draft_block_bytes,
             host_pool_bytes=0 if self.host_pool is None else self.host_pool.data.numel(),
+            tier_host_bytes=0 if self.tiers is None or self.tiers.host is None else self.tiers.host.num_bytes,
             weight_bytes=_tensor_bytes(model.parameters()),
             gemm_shapes_warmed=warmed,
             gemm_dispatch=dispatch,
