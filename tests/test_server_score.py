@@ -159,3 +159,22 @@ def test_pooling_routes_count_in_vllm_metrics(server):
     assert _post(server, "/rerank", {"query": QUERY, "documents": DOCS[:3]}).status_code == 200
     assert _post(server, "/classify", {"input": DOCS[:2]}).status_code == 200
     assert server.metrics()[key] == before + 5  # one pooling request per pair / input
+
+
+def test_every_endpoint_has_its_http_series(server):
+    """vLLM's per-route series (prometheus-fastapi-instrumentator's names): requests by handler,
+    method and status class, durations by handler; 401s from the key guard and paths no route
+    serves are counted too."""
+    import httpx
+
+    def count(handler: str, status: str) -> float:
+        return server.metrics().get(f"http_requests_total{{handler={handler},method=POST,status={status}}}", 0)
+
+    ok, denied, lost = count("/v1/rerank", "2xx"), count("/score", "4xx"), count("none", "4xx")
+    assert _post(server, "/v1/rerank", {"query": QUERY, "documents": DOCS[:2]}).status_code == 200
+    assert _post(server, "/score", {"text_1": "a", "text_2": "b"}, key="wrong").status_code == 401
+    assert httpx.post(f"{server.url}/v1/nowhere", json={}, timeout=30).status_code in (401, 404)
+    m = server.metrics()
+    assert count("/v1/rerank", "2xx") == ok + 1 and count("/score", "4xx") == denied + 1
+    assert count("none", "4xx") == lost + 1
+    assert m["http_request_duration_seconds_count{handler=/v1/rerank,method=POST}"] >= 1

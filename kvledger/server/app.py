@@ -25,6 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 from kvledger.engine.async_core_engine import AsyncCoreEngine
 from kvledger.server.errors import APIError, error_response, install_error_handlers
 from kvledger.server.guard import Guard
+from kvledger.server.http_metrics import HTTPMetrics
 from kvledger.server.metrics import ServerMetrics
 from kvledger.server.serving import ServingContext
 from kvledger.version import __version__
@@ -96,6 +97,8 @@ def build_app(engine: LLMEngine | AsyncCoreEngine, config: ServerConfig) -> Fast
     app.state.engine = aengine
     app.state.metrics = metrics
     app.add_middleware(Guard, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes)
+    # Outside the guard, so its 401s / 413s are counted per endpoint too (vLLM's http_* series).
+    app.add_middleware(HTTPMetrics, registry=metrics.registry, routes=lambda: app.router.routes)
     # CORS outermost (added last), so that preflights and 401s carry its headers, as in vLLM
     app.add_middleware(
         CORSMiddleware,
