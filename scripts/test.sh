@@ -16,4 +16,5 @@ if [ -n "$APT" ]; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq $APT >/dev/null
 fi
 ruff check kvledger tests benchmarks
-python -m pytest -p no:cacheprovider "$@"
+# --durations: the slowest tests named in every run, to keep the suite near ten minutes on 2 cores
+python -m pytest -p no:cacheprovider --durations=25 "$@"
