@@ -84,35 +84,21 @@ def eligible(w: GroupWeight) -> bool:
     return bool(torch.equal(w.scale.half().float(), w.scale))
 
 
-def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
-    """Repack a GroupWeight into the kernel's tiles (same codes, scales and zeros)."""
-    if not eligible(w):
-        raise ValueError("W4A8 / W8A8 group tiles take weights with fp16 scales")
-    n, k = w.shape
+def _tile_codes(stored: torch.Tensor, bits: int, alloc) -> torch.Tensor:
+    """Stored codes [N, K] (nibbles 0..15, or 8-bit codes + 128) in the kernel's tiles, padding
+    rows zero, in memory from ``alloc(shape, dtype=)``."""
+    n, k = stored.shape
     tiles, groups = -(-n // TILE), k // GROUP
-    if w.bits == 8:
-        stored = (codes(w) + 128).to(torch.uint8).view(n, groups, GROUP)
-    else:
-        zero = 8 if w.zero is None else w.zero.to(torch.int32)[..., None]
-        stored = (codes(w).view(n, groups, GROUP) + zero).to(torch.uint8)
     full = torch.zeros(tiles * TILE, groups, GROUP, dtype=torch.uint8)
-    full[:n] = stored
-    if w.bits == 8:  # tile, row, group, vector, byte -> tile, group, vector, row, byte
+    full[:n] = stored.view(n, groups, GROUP)
+    if bits == 8:  # tile, row, group, vector, byte -> tile, group, vector, row, byte
         packed = full.view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 512)
     else:  # tile, row, group, half (lo: columns 0-15, hi: 16-31), vector, byte -> tile, group, vector, row, byte
         parts = full.view(tiles, TILE, groups, 2, 4, 4)
         packed = (parts[:, :, :, 0] | (parts[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
     q = alloc(tuple(packed.shape), dtype=torch.uint8)
     q.copy_(packed)
-    s = torch.zeros(tiles * TILE, groups, dtype=torch.float16)
-    s[:n] = w.scale.half()
-    scale = s.view(tiles, TILE, groups).permute(0, 2, 1).contiguous().view(torch.int16)
-    zt = None
-    if w.zero is not None:
-        z = torch.full((tiles * TILE, groups), 8, dtype=torch.uint8)
-        z[:n] = w.zero
-        zt = z.view(tiles, TILE, groups).permute(0, 2, 1).contiguous()
-    return Q4Weight(q, scale, zt, n, w.perm, w.bits)
+    return q
 
 
 def _tile_rows(t: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -123,18 +109,27 @@ def _tile_rows(t: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return full.view(tiles, TILE, t.shape[1]).permute(0, 2, 1).contiguous()
 
 
+def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
+    """Repack a GroupWeight into the kernel's tiles (same codes, scales and zeros)."""
+    if not eligible(w):
+        raise ValueError("W4A8 / W8A8 group tiles take weights with fp16 scales")
+    n, k = w.shape
+    if w.bits == 8:
+        stored = (codes(w) + 128).to(torch.uint8)
+    else:
+        zero = 8 if w.zero is None else w.zero.to(torch.int32)[..., None]
+        stored = (codes(w).view(n, k // GROUP, GROUP) + zero).to(torch.uint8).view(n, k)
+    scale = _tile_rows(w.scale.half(), n).view(torch.int16)
+    zero = None if w.zero is None else _tile_rows(w.zero, n, fill=8)
+    return Q4Weight(_tile_codes(stored, w.bits, alloc), scale, zero, n, w.perm, w.bits)
+
+
 def pack_k(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, alloc=torch.zeros) -> Q4Weight:
     """GGUF Q4_K's values (nibbles [N, K] 0..15, float32 scales d x sc and mins dmin x m [N, K / 32])
     in the kernel's tiles."""
-    n, k = nibbles.shape
-    gw = GroupWeight(torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, k // GROUP), 4, nibbles.new_zeros(n, k // GROUP))
-    w = pack(gw, alloc)  # the layout; the nibbles go in next
-    tiles, groups = w.q.shape[:2]
-    full = torch.zeros(tiles * TILE, groups, GROUP, dtype=torch.uint8)
-    full[:n] = nibbles.view(n, groups, GROUP)
-    parts = full.view(tiles, TILE, groups, 2, 4, 4)
-    w.q.copy_((parts[:, :, :, 0] | (parts[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256))
-    return Q4Weight(w.q, _tile_rows(scale.float(), n), None, n, None, 4, _tile_rows(mins.float(), n))
+    n = nibbles.shape[0]
+    q = _tile_codes(nibbles, 4, alloc)
+    return Q4Weight(q, _tile_rows(scale.float(), n), None, n, None, 4, _tile_rows(mins.float(), n))
 
 
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
