@@ -30,7 +30,6 @@ from torch import nn
 from kvledger.distributed.parallel_state import all_gather_last, all_reduce, all_reduce_max
 from kvledger.errors import ConfigError
 from kvledger.hf.config import ModelConfig
-from kvledger.kernels import native
 from kvledger.kernels.gemm_rows import RowInvariance
 from kvledger.ledger.spec import ModelSpec
 from kvledger.model import quant_int8
@@ -101,26 +100,19 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.quant, Int8Weight):
-            return all_reduce(self._int8_forward(x))
+            return all_reduce(quant_int8.int8_linear(x, self.quant, self.bias, row_amax=_row_amax))
         return all_reduce(super().forward(x))
 
     def quantize(self, method: str) -> None:
         if method != "int8":
             return super().quantize(method)
-        amax = all_reduce_max(self.weight.data.float().abs().amax(dim=1))
+        amax = _row_amax(self.weight.data)
         self.set_quantized(quant_int8.quantize_weight(self.weight.data, alloc=host_memory.zeros, amax=amax))
 
-    def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        amax = all_reduce_max(x2.float().abs().amax(dim=-1))
-        xq, xs = quant_int8.quantize_rows(x2, amax)
-        w = self.quant
-        if native.available(x2):
-            y = native.int8_gemm(xq, xs, w.q, w.scale, w.wsum, self.bias, x.dtype)
-        else:
-            y = quant_int8.int8_gemm_reference(xq, xs, w, self.bias, x.dtype)
-        return y.view(*shape[:-1], y.shape[-1])
+
+def _row_amax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's absolute max over every rank's columns of it."""
+    return all_reduce_max(x.float().abs().amax(dim=-1))
 
 
 class ParallelSparseMoE(SparseMoE):

@@ -94,10 +94,6 @@ def _plain_linear(lin, dtype: torch.dtype) -> bool:
     return lin.quant is None and lin.small is not None and lin.small.dtype == dtype
 
 
-def _quantised(lin) -> bool:
-    return lin.quant is not None
-
-
 def _plain_norm(norm, dtype: torch.dtype) -> bool:
     return type(norm) is RMSNorm and not norm.unit_offset and norm.weight.dtype == dtype
 
@@ -123,7 +119,7 @@ class FusedLayers:
         # Every product quantised: the modules take the integer kernels at any row count, so any
         # step's rows may run here (no row-wise condition).
         self.all_quantised = all(
-            _quantised(m)
+            m.quant is not None
             for layer in self.layers
             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         )

@@ -91,16 +91,24 @@ def int8_gemm_reference(
     return y.to(out_dtype)
 
 
-def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, row_amax=None
+) -> torch.Tensor:
     """x [..., K] (float32 or bfloat16) times the int8 weight: the native kernels where they run,
-    else the reference."""
+    else the reference. ``row_amax(x2)``: each row's absolute max where x's rows are slices of
+    longer ones (a tensor-parallel rank's columns, distributed/sharding.py), so the slice is
+    scaled as the whole row is."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if native.available(x2):
+    if row_amax is not None:
+        xq, xs = quantize_rows(x2, row_amax(x2))
+    elif native.available(x2):
         xq, xs = native.quantize_rows_i8(x2)
-        y = native.int8_gemm(xq, xs, w.q, w.scale, w.wsum, bias, x.dtype)
     else:
         xq, xs = quantize_rows(x2)
+    if native.available(x2):
+        y = native.int8_gemm(xq, xs, w.q, w.scale, w.wsum, bias, x.dtype)
+    else:
         y = int8_gemm_reference(xq, xs, w, bias, x.dtype)
     return y.view(*shape[:-1], y.shape[-1])
 
