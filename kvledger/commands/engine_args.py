@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from kvledger.cache.block_hash import PREFIX_CACHING_HASH_ALGOS
+from kvledger.json_config import json_object
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -189,21 +190,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.task is not None:
         kw["task"] = args.task
     if args.pooler_config is not None:
-        import json
-
-        try:
-            kw["pooler_config"] = json.loads(args.pooler_config)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"--pooler-config is not JSON: {e}") from None
+        kw["pooler_config"] = json_object("--pooler-config", args.pooler_config)
     if args.tokenizer is not None:
         kw["tokenizer"] = args.tokenizer
     if args.hf_overrides is not None:
-        import json
-
-        try:
-            kw["hf_overrides"] = json.loads(args.hf_overrides)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"--hf-overrides is not JSON: {e}") from None
+        kw["hf_overrides"] = json_object("--hf-overrides", args.hf_overrides)
     if args.revision is not None:
         kw["revision"] = args.revision
     if args.download_dir is not None:

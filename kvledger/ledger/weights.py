@@ -10,6 +10,8 @@ the model dtype. Torch-free, like the rest of the planner.
 
 from __future__ import annotations
 
+import math
+
 from kvledger import envs
 from kvledger.errors import ConfigError
 from kvledger.ledger.spec import ModelSpec
@@ -101,8 +103,7 @@ def gguf_weight_bytes(path: str, dtype_bytes: int) -> int:
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read GGUF file {path}: {e}") from None
     tensors = {t.name: (t.tensor_type.name, [int(d) for d in t.shape]) for t in reader.tensors}
-    total = sum(n * dtype_bytes for name, (_, shape) in tensors.items()
-                if name != "rope_freqs.weight" for n in [_numel(shape)])  # fmt: skip
+    total = sum(math.prod(shape) * dtype_bytes for name, (_, shape) in tensors.items() if name != "rope_freqs.weight")
     layers = {name.split(".")[1] for name in tensors if name.startswith("blk.")}
     for i in layers:
         for parts in _GGUF_FUSED:
@@ -117,9 +118,3 @@ def gguf_weight_bytes(path: str, dtype_bytes: int) -> int:
                 total -= rows * k * dtype_bytes - held
     return total
 
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
