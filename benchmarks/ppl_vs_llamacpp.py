@@ -1,7 +1,8 @@
 """Perplexity of the same GGUF files in kvledger and in llama.cpp's ``llama-perplexity`` (issue 42).
 
-stories260k converted by llama.cpp's ``convert_hf_to_gguf.py`` (F32), then ``llama-quantize``d
-to Q8_0 and Q4_0 (cached in bench_out/gguf/stories260k/). The text: quant_quality.py's held-out
+stories260k converted by llama.cpp's ``convert_hf_to_gguf.py`` (F32, cached by
+spec_llamacpp.to_gguf), then ``llama-quantize``d to Q8_0 and Q4_0 (cached in
+bench_out/gguf/stories260k/). The text: quant_quality.py's held-out
 stories (never used by the tests), repeated to 8 chunks. Both engines score it with
 llama-perplexity's protocol: the text tokenized once with BOS by llama.cpp (``llama-tokenize``;
 kvledger scores those very ids), cut into chunks of ``--ctx``
@@ -22,23 +23,25 @@ import json
 import math
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, print_header
 from benchmarks.quant_quality import STORIES as TEXTS
-from benchmarks.vs_llamacpp import STORIES, llamacpp_dir
+from benchmarks.spec_llamacpp import llamacpp_dir, to_gguf
+from benchmarks.vs_llamacpp import STORIES
 
 
 def files(formats: list[str], tools: Path) -> dict[str, Path]:
+    """stories260k as F32 GGUF (spec_llamacpp.to_gguf: llama.cpp's converter, cached) and each
+    other format quantised from it by ``llama-quantize`` (cached in bench_out/gguf/stories260k/)."""
+    f32 = to_gguf(str(STORIES))
     out = REPO_ROOT / "bench_out" / "gguf" / "stories260k"
     out.mkdir(parents=True, exist_ok=True)
-    f32 = out / "model.F32.gguf"
-    if not f32.exists():
-        subprocess.run([sys.executable, str(tools / "src" / "convert_hf_to_gguf.py"), str(STORIES), "--outtype", "f32",
-                        "--outfile", str(f32)], check=True, capture_output=True)  # fmt: skip
     made = {}
     for fmt in formats:
+        if fmt == "F32":
+            made[fmt] = f32
+            continue
         f = out / f"model.{fmt}.gguf"
         if not f.exists():
             subprocess.run([str(tools / "bin" / "llama-quantize"), str(f32), str(f), fmt], check=True,
@@ -93,9 +96,8 @@ def main() -> None:
     text = " ".join(TEXTS)
     while len(text) < 8 * a.ctx * 4:  # ~4 characters a token: at least 8 chunks
         text = text + " " + " ".join(TEXTS)
+    made = files(a.formats.split(","), tools)
     path = REPO_ROOT / "bench_out" / "gguf" / "stories260k" / "heldout.txt"
-    made = files([x for x in a.formats.split(",") if x != "F32"], tools)
-    made = {"F32": path.parent / "model.F32.gguf", **made} if "F32" in a.formats.split(",") else made
     path.write_text(text)
     print(f"{'format':6} | llama.cpp PPL (chunks) | kvledger PPL (chunks) | kvledger / llama.cpp | "
           "kvledger bf16 (int8 activations) / llama.cpp")

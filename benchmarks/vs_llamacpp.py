@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, ensure_model, print_header
+from benchmarks.spec_llamacpp import llamacpp_dir
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
 
@@ -52,12 +53,6 @@ prefill = max(512 / seconds(long, 1) for _ in range(rounds))
 print(json.dumps({"decode": decode, "prefill": prefill,
                   "weight_bytes": llm.engine.executor.worker.ready.weight_bytes}))
 """
-
-
-def llamacpp_dir() -> Path:
-    out = subprocess.run(["bash", str(REPO_ROOT / "benchmarks" / "setup_llamacpp.sh"), "--print-dir"],
-                         capture_output=True, text=True, check=True)  # fmt: skip
-    return Path(out.stdout.strip())
 
 
 def gguf_files(preset: str, formats: list[str], tools: Path) -> dict[str, Path]:
