@@ -22,20 +22,36 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def random_q4_k(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
-    """Q4_K blocks of random content (gguf-py cannot quantise to Q4_K; any bytes with finite d and
-    dmin are a valid block): [rows, K / 256 x 144] bytes, the weights ~ +-0.1."""
+# K-quant blocks: bytes a block of 256 weights, and where its fp16 d (and dmin) sit
+_K_BLOCKS = {"Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "Q6_K": (210, 208, None)}
+
+
+def random_k_quant(kind: str, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """K-quant blocks of random content (gguf-py cannot quantise to them; any bytes with finite d
+    and dmin are a valid block): [rows, K / 256 x block bytes], the weights ~ +-0.1."""
+    size, d_at, dmin_at = _K_BLOCKS[kind]
     rng = np.random.default_rng(seed + shape[0] * 7 + shape[1])
     rows, blocks = shape[0], shape[1] // 256
-    raw = rng.integers(0, 256, size=(rows, blocks, 144), dtype=np.uint8)
-    raw[..., 0:2] = (rng.uniform(0.5, 1, (rows, blocks, 1)) * 4e-4).astype(np.float16).view(np.uint8)
-    raw[..., 2:4] = (rng.uniform(0.5, 1, (rows, blocks, 1)) * 2e-3).astype(np.float16).view(np.uint8)
-    return raw.reshape(rows, blocks * 144)
+    raw = rng.integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
+    d = 3e-5 if kind == "Q6_K" else 4e-4 if kind == "Q4_K" else 2e-4
+    raw[..., d_at : d_at + 2] = (rng.uniform(0.5, 1, (rows, blocks, 1)) * d).astype(np.float16).view(np.uint8)
+    if dmin_at is not None:
+        raw[..., dmin_at : dmin_at + 2] = (rng.uniform(0.5, 1, (rows, blocks, 1)) * 2e-3).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, blocks * size)
+
+
+def q4_k_m(i: int, proj: str) -> str:
+    """Layer projections' types as llama.cpp's Q4_K_M mixes them (Q6_K for some attn_v / ffn_down),
+    here with Q5_K too: layer 0's v and down Q6_K, layer 1's Q5_K, the rest Q4_K."""
+    if proj in ("self_attn.v_proj", "mlp.down_proj") and int(i) < 2:
+        return "Q6_K" if int(i) == 0 else "Q5_K"
+    return "Q4_K"
 
 
 def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0") -> dict[str, np.ndarray]:
     """stories260k as a GGUF file; returns every tensor as gguf-py dequantises it, in HF layout
-    and names (the oracle's weights)."""
+    and names (the oracle's weights). layer_type: the layer projections' type, or "Q4_K_M" for
+    ``q4_k_m``'s mix."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((src / "config.json").read_text())
@@ -64,13 +80,14 @@ def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0") 
         else:
             i, rest = hf.split(".")[2], ".".join(hf.split(".")[3:-1])
             name = f"blk.{i}.{layer[rest]}.weight"
-            kind = layer_type if t.ndim == 2 and t.shape[1] % (256 if layer_type == "Q4_K" else 32) == 0 else "F32"
+            kind = q4_k_m(i, rest) if layer_type == "Q4_K_M" else layer_type
+            kind = kind if t.ndim == 2 and t.shape[1] % (256 if kind in _K_BLOCKS else 32) == 0 else "F32"
             if rest == "self_attn.q_proj":
                 t = _permute(t, heads)
             elif rest == "self_attn.k_proj":
                 t = _permute(t, kv)
         qt = gguf.GGMLQuantizationType[kind]
-        data = t if kind == "F32" else random_q4_k(t.shape) if kind == "Q4_K" else gguf.quants.quantize(t, qt)
+        data = t if kind == "F32" else random_k_quant(kind, t.shape) if kind in _K_BLOCKS else gguf.quants.quantize(t, qt)
         w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qt)
         back = t if kind == "F32" else gguf.quants.dequantize(data, qt).reshape(t.shape)
         if name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -184,26 +201,28 @@ def test_gguf_groups_take_the_int8_activation_kernel_with_the_references_tokens(
         native.library.cache_clear()
 
 
-def test_a_q4_k_file_runs_natively_with_its_exact_values(tmp_path, stories_path, gguf_cache, monkeypatch):
-    """Q4_K layer projections (a random-weight Llama whose rows are whole 256-weight blocks):
-    float32 runs the dequantised weights as transformers runs them; a bf16 engine holds them as
-    tiles whose values are gguf-py's dequantisation exactly (nibble x d x sc - dmin x m); and
-    the native kernel's tokens are the torch reference's."""
+@pytest.mark.parametrize("layer_type", ["Q4_K", "Q4_K_M"])
+def test_a_k_quant_file_runs_natively_with_its_exact_values(tmp_path, stories_path, gguf_cache, monkeypatch, layer_type):
+    """K-quant layer projections (a random-weight Llama whose rows are whole 256-weight blocks):
+    Q4_K, and Q4_K_M's mix with Q6_K and Q5_K pieces. float32 runs the dequantised weights as
+    transformers runs them; a bf16 engine holds them as tiles whose values are gguf-py's
+    dequantisation exactly (a qkv whose v differs in type as a split of two tile sets); and the
+    native kernels' tokens are the torch reference's, in the native layer and in the modules."""
     from test_engine_exact import hf_greedy
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from kvledger import LLM, SamplingParams
     from kvledger.kernels import native
-    from kvledger.model.quant_q4 import Q4Weight
+    from kvledger.model.quant_q4 import Q4Split, Q4Weight
     from tests.model_factory import build_hf_model
 
     src = tmp_path / "src"
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
     build_hf_model(cfg, src)
     path = gguf_cache / "k.gguf"
-    oracle = write_gguf(src, path, "Q4_K", embed_type="F32")
+    oracle = write_gguf(src, path, layer_type, embed_type="F32")
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -218,12 +237,21 @@ def test_a_q4_k_file_runs_natively_with_its_exact_values(tmp_path, stories_path,
     _, plain = tokens()
     assert plain == hf_greedy(hf, ids, 16)
     bf16, _ = tokens(dtype="bfloat16")
-    qkv = bf16.engine.executor.worker.model.model.layers[0].self_attn.qkv_proj.quant
-    assert isinstance(qkv, Q4Weight) and qkv.mins is not None
-    want = torch.cat([torch.from_numpy(oracle[f"model.layers.0.self_attn.{p}_proj.weight"]) for p in "qkv"])
-    assert torch.equal(qkv.dequantize(), want)
+    layers = bf16.engine.executor.worker.model.model.layers
+    for i, layer in enumerate(layers):
+        qkv = layer.self_attn.qkv_proj.quant
+        want = torch.cat([torch.from_numpy(oracle[f"model.layers.{i}.self_attn.{p}_proj.weight"]) for p in "qkv"])
+        assert torch.equal(qkv.dequantize(), want)
+        down = torch.from_numpy(oracle[f"model.layers.{i}.mlp.down_proj.weight"])
+        assert torch.equal(layer.mlp.down_proj.quant.dequantize(), down)
+        if layer_type == "Q4_K_M" and i < 2:  # q, k Q4_K; v Q6_K (layer 0) or Q5_K (layer 1)
+            assert isinstance(qkv, Q4Split) and [p.kquant for p in qkv.parts] == ["Q4_K", "Q6_K" if i == 0 else "Q5_K"]
+        else:
+            assert isinstance(qkv, Q4Weight) and qkv.kquant == "Q4_K"
     monkeypatch.setenv("KVLEDGER_INT4_ACTIVATIONS", "int8")
     _, fast = tokens()
+    monkeypatch.setenv("KVLEDGER_FUSED_LAYER", "0")
+    assert tokens()[1] == fast
     monkeypatch.setenv("KVLEDGER_NATIVE", "0")
     native.library.cache_clear()
     try:
@@ -234,7 +262,7 @@ def test_a_q4_k_file_runs_natively_with_its_exact_values(tmp_path, stories_path,
 
 
 @pytest.mark.parametrize(("layer_type", "dtype"), [("Q4_0", "float32"), ("Q8_0", "bfloat16"), ("Q4_K", "bfloat16"),
-                                                   ("Q4_K", "float32")])
+                                                   ("Q4_K", "float32"), ("Q4_K_M", "bfloat16")])
 def test_plan_counts_a_gguf_files_weights_as_the_engine_holds_them(tmp_path, stories_path, gguf_cache, layer_type, dtype):
     """`kvledger plan --model file.gguf` gives the weight bytes the live engine reports, to the
     byte: projections kept as group-wise weights or tiles, the rest in the model dtype."""
@@ -245,13 +273,13 @@ def test_plan_counts_a_gguf_files_weights_as_the_engine_holds_them(tmp_path, sto
     from kvledger import LLM
 
     src = stories_path
-    if layer_type == "Q4_K":  # rows of whole 256-weight blocks
+    if layer_type.startswith("Q4_K"):  # rows of whole 256-weight blocks
         from transformers import LlamaConfig
 
         from tests.model_factory import build_hf_model
 
         src = tmp_path / "src"
-        build_hf_model(LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+        build_hf_model(LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                    bos_token_id=1, eos_token_id=2), src)  # fmt: skip
     path = gguf_cache / "m.gguf"

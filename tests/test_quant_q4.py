@@ -75,11 +75,11 @@ def test_native_w4a8_is_the_reference_bit_for_bit(isa, dtype, m, n, k, zeros, bi
     xq, xs, xsum = native.q4_quantize_act(x)
     rq, rs, rsum = quantize_act(x)
     assert torch.equal(xq, rq) and torch.equal(xs, rs) and torch.equal(xsum, rsum)
-    y = native.q4_gemm(xq, xs, xsum, w.q, w.scale, w.zero, n, b, dtype, bits)
+    y = native.q4_gemm(xq, xs, xsum, w, b, dtype)
     assert torch.equal(y, reference_gemm(x, w, b))
     # One row's result does not depend on the rows beside it.
-    assert torch.equal(native.q4_gemm(xq[-1:], xs[-1:], xsum[-1:], w.q, w.scale, w.zero, n, b, dtype, bits), y[-1:])
-    assert torch.equal(native.q4_dequantize(w.q, w.scale, w.zero, n, dtype, bits), w.dequantize(dtype))
+    assert torch.equal(native.q4_gemm(xq[-1:], xs[-1:], xsum[-1:], w, b, dtype), y[-1:])
+    assert torch.equal(native.q4_dequantize(w, dtype), w.dequantize(dtype))
 
 
 @needs_native
@@ -146,22 +146,65 @@ def test_native_and_reference_w4a8_engines_give_the_same_tokens(stories_path, mo
     assert fast == ref
 
 
-@needs_native
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 64), (6, 33, 256)])
-def test_native_q4_k_is_the_reference_bit_for_bit(isa, m, n, k):
-    """GGUF Q4_K's groups (nibble x scale - min, float32 scales and mins) in the tiles."""
-    from kvledger.model.quant_q4 import pack_k
+def _k_quant(kind: str, n: int, k: int, g: torch.Generator):
+    """Random Q4_K / Q5_K / Q6_K values packed, and the weight they stand for (llama.cpp's formulas,
+    written here from its dequantize_row_q*_K), codes at their extremes included."""
+    from kvledger.model.quant_q4 import pack_k, pack_q6
 
-    g = torch.Generator().manual_seed(n)
-    nib = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scale = torch.rand(n, k // 32, generator=g) * 0.01
-    mins = torch.rand(n, k // 32, generator=g) * 0.05
-    w = pack_k(nib, scale, mins)
-    want = (nib.float().view(n, k // 32, 32) * scale[..., None] - mins[..., None]).view(n, k)
+    top = {"Q4_K": 16, "Q5_K": 32, "Q6_K": 64}[kind]
+    codes = torch.randint(0, top, (n, k), generator=g, dtype=torch.uint8)
+    codes[0, :2] = torch.tensor([top - 1, 0], dtype=torch.uint8)
+    d = (torch.rand(n, k // 256, generator=g) * 1e-3).half()
+    if kind == "Q6_K":
+        sub = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
+        sub[0, 0] = -128
+        per16 = d.float().repeat_interleave(16, dim=1) * sub.float()
+        want = ((codes.float() - 32).view(n, k // 16, 16) * per16[..., None]).view(n, k)
+        return pack_q6(codes, sub, d), want
+    sc, m = (torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8) for _ in range(2))
+    dmin = (torch.rand(n, k // 256, generator=g) * 1e-2).half()
+    scale = d.float().repeat_interleave(8, dim=1) * sc.float()
+    mins = dmin.float().repeat_interleave(8, dim=1) * m.float()
+    want = (codes.float().view(n, k // 32, 32) * scale[..., None] - mins[..., None]).view(n, k)
+    return pack_k(codes, sc, m, d, dmin, kquant=kind), want
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 256), (6, 33, 512)])
+def test_native_k_quants_are_the_reference_bit_for_bit(isa, kind, m, n, k):
+    """GGUF's K-quants in their own bits: Q4_K (nibble x d x sc - dmin x m), Q5_K (a fifth bit
+    from its plane) and Q6_K ((code - 32) x d x sc, two high bits from their planes, sc per 16
+    columns: the halves of a group weighted in integers). The tiles hold exactly the values, and
+    the native kernel gives the reference's bits in every build (top codes against activations of
+    127: the largest int16 pairs of the builds without VNNI)."""
+    g = torch.Generator().manual_seed(n + k)
+    w, want = _k_quant(kind, n, k, g)
+    assert w.q.shape[2] == {"Q4_K": 256, "Q5_K": 320, "Q6_K": 384}[kind]  # 4, 5 or 6 bits a weight
     assert torch.equal(w.dequantize(), want)
-    assert torch.equal(native.q4_dequantize(w.q, w.scale, None, n, torch.float32, 4, w.mins), want)
-    x = torch.randn(m, k, generator=g).bfloat16()
+    assert torch.equal(native.q4_dequantize(w, torch.float32), want)
+    x = (torch.randn(m, k, generator=g) * 3).bfloat16()
+    x[-1, :16] = 100.0
     xq, xs, xsum = native.q4_quantize_act(x)
-    y = native.q4_gemm(xq, xs, xsum, w.q, w.scale, None, n, None, torch.bfloat16, 4, w.mins)
+    y = native.q4_gemm(xq, xs, xsum, w, None, torch.bfloat16)
     assert torch.equal(y, reference_gemm(x, w, None))
+    assert torch.equal(native.q4_gemm(xq[-1:], xs[-1:], xsum[-1:], w, None, torch.bfloat16), y[-1:])
     assert (y.float() - F.linear(x.float(), want)).norm() / F.linear(x.float(), want).norm() < 0.02
+
+
+@needs_native
+def test_a_split_projection_writes_each_pieces_columns():
+    """Q4_K_M's qkv: Q4_K, Q4_0 and Q6_K pieces of one fused product, one activation quantisation,
+    each piece's kernel into its columns (with its slice of the bias)."""
+    from kvledger.model.quant_q4 import Q4Split
+
+    g = torch.Generator().manual_seed(9)
+    k = 256
+    split = Q4Split((_k_quant("Q4_K", 32, k, g)[0], pack(_weight(16, k, seed=3)), _k_quant("Q6_K", 17, k, g)[0]))
+    assert split.shape == (65, k)
+    x = torch.randn(3, k, generator=g).bfloat16()
+    b = torch.randn(65, generator=g).bfloat16()
+    y = quant_q4.q4_linear(x, split, b)
+    assert torch.equal(y, reference_gemm(x, split, b))
+    assert torch.equal(y[:, 32:48], quant_q4.q4_linear(x, split.parts[1], b[32:48]))
+    assert torch.equal(split.dequantize(), torch.cat([p.dequantize() for p in split.parts]))

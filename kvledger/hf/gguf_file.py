@@ -6,9 +6,11 @@ folder reads it; the weights come from the file itself (``GGUFWeights``).
 The front end imports this module before any engine exists: torch is imported only where tensors
 are read. Tensor types: F32 / F16 / BF16 load as floats; Q8_0 and Q4_0 layer projections are kept as they
 are, in model/quant_group.py's group-wise formats (the same codes and scales, repacked: a Q4_0
-block is an fp16 scale and the 16 nibble bytes quant_group already uses), run by csrc/group_gemm.c.
-Any other type gguf-py can dequantise (Q4_K, Q6_K, ...) is dequantised to the model dtype at load,
-logged (its memory saving is lost: no native kernel for it yet). Llama-architecture files store
+block is an fp16 scale and the 16 nibble bytes quant_group already uses). In a model whose
+activations are int8 (bf16 / fp16: model/quant_q4.py), the K-quants Q4_K, Q5_K and Q6_K are kept
+too, as their exact codes and scales in csrc/q4_gemm.c's tiles (``k_quant``, ``q6_k``). Any
+other type gguf-py can dequantise is dequantised to the model dtype at load, logged (its memory
+saving is lost). Llama-architecture files store
 q/k rows permuted for llama.cpp's RoPE (convert_hf_to_gguf's ``permute``); they are put back.
 """
 
@@ -36,8 +38,9 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 # older kvledger's cached folder is not read as this one's.
 FOLDER_VERSION = 2
 KEPT = ("Q8_0", "Q4_0")  # layer projections held in these formats as they are
-# held as they are where the model multiplies int8 activations (model/quant_q4.py), else dequantised
-KEPT_INT8_ACTIVATIONS = ("Q4_K",)
+# held as they are where the model multiplies int8 activations (model/quant_q4.py's tiles), else
+# dequantised; in tiles, the pieces of one fused projection may differ in type (Q4_K_M's qkv)
+KEPT_INT8_ACTIVATIONS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 FLOAT = ("F32", "F16", "BF16")
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -256,25 +259,49 @@ class GGUFWeights:
         q = torch.from_numpy(np.ascontiguousarray(codes))
         return (q.view(torch.int8) if kind == "Q8_0" else q), torch.from_numpy(np.ascontiguousarray(scale)), 8 if kind == "Q8_0" else 4
 
-    def k_quant(self, hf: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A Q4_K projection as (nibbles uint8 [N, K] 0..15, float32 scales d x sc and mins
-        dmin x m [N, K / 32]), rows in the HF order: its weights are nibble x scale - min, as
-        llama.cpp's dequantisation computes them in float32."""
-        import gguf
-        import torch
-
+    def _blocks(self, hf: str, size: int) -> tuple[np.ndarray, int, int]:
         t = self.tensors[self.gguf_name(hf)]
         k, n = (int(d) for d in t.shape)
-        raw = np.asarray(t.data, dtype=np.uint8).reshape(n * (k // 256), 144)
-        d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+        return np.asarray(t.data, dtype=np.uint8).reshape(n * (k // 256), size), n, k
+
+    def _in_rows(self, hf: str, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+        import torch
+
+        return tuple(torch.from_numpy(np.ascontiguousarray(self._rows(hf, a))) for a in arrays)
+
+    def k_quant(self, hf: str) -> tuple[torch.Tensor, ...]:
+        """A Q4_K or Q5_K projection as (codes uint8 [N, K]: 0..15, or 0..31; 6-bit sc and m uint8
+        [N, K / 32]; fp16 d and dmin [N, K / 256]), rows in the HF order: its weights are code x
+        (d x sc) - dmin x m, as llama.cpp's dequantisation computes them in float32."""
+        import gguf
+
+        five = self.type_of(hf) == "Q5_K"
+        raw, n, k = self._blocks(hf, 176 if five else 144)
+        d = raw[:, 0:2].copy().view(np.float16).reshape(n, k // 256)
+        dmin = raw[:, 2:4].copy().view(np.float16).reshape(n, k // 256)
         sc, m = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16].copy())
-        scale = (d * sc.astype(np.float32)).reshape(n, k // 32)
-        mins = (dmin * m.astype(np.float32)).reshape(n, k // 32)
-        qs = raw[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        nib = (qs & np.uint8(0x0F)).reshape(n, k)
-        out = [self._rows(hf, a) for a in (nib, scale, mins)]
-        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in out)  # type: ignore[return-value]
+        # 4 chunks of 64 weights: 32 low nibbles, then 32 high ones (Q5_K: a fifth bit each from qh)
+        qs = raw[:, 48:] if five else raw[:, 16:]
+        codes = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+        if five:
+            shift = np.arange(8, dtype=np.uint8).reshape(1, 4, 2, 1)  # chunk j, half s: bit 2j + s
+            codes = codes | (((raw[:, 16:48].reshape(-1, 1, 1, 32) >> shift) & np.uint8(1)) << np.uint8(4))
+        sc, m = (a.astype(np.uint8).reshape(n, k // 32) for a in (sc, m))
+        return self._in_rows(hf, codes.reshape(n, k), sc, m, d, dmin)
+
+    def q6_k(self, hf: str) -> tuple[torch.Tensor, ...]:
+        """A Q6_K projection as (codes uint8 [N, K] 0..63, int8 scales [N, K / 16], fp16 d
+        [N, K / 256]), rows in the HF order: its weights are (code - 32) x d x scale."""
+        raw, n, k = self._blocks(hf, 210)
+        ql, qh = raw[:, :128].reshape(-1, 2, 64), raw[:, 128:192].reshape(-1, 2, 32)
+        # per 128 weights: 32 low nibbles of ql[0:32], of ql[32:64], then their high nibbles; the
+        # two high bits of each from qh, shifted 0, 2, 4, 6
+        lo = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=2)
+        hi = (qh[:, :, None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+        codes = (lo | (hi << np.uint8(4))).reshape(n, k)
+        sub = raw[:, 192:208].copy().view(np.int8).reshape(n, k // 16)
+        d = raw[:, 208:210].copy().view(np.float16).reshape(n, k // 256)
+        return self._in_rows(hf, codes, sub, d)
 
     def close(self) -> None:
         self.reader = None

@@ -562,39 +562,45 @@ def q4_quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def q4_gemm(
-    xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-    wz: torch.Tensor | None, n: int, bias: torch.Tensor | None, out_dtype: torch.dtype, bits: int = 4,
-    mins: torch.Tensor | None = None,
+    xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, bias: torch.Tensor | None, out_dtype: torch.dtype,
+    out: torch.Tensor | None = None, col: int = 0,
 ) -> torch.Tensor:
-    """W4A8 / grouped W8A8 (csrc/q4_gemm.c): q4_quantize_act's (codes, scales, sums) times a
-    weight in model/quant_q4.py's tiles (codes ``wq`` of ``bits``, fp16 scales ``ws`` as int16,
-    4-bit zeros ``wz`` or None; Q4_K: float32 scales and ``mins``) of ``n`` output rows, in out_dtype
-    (float32 or bfloat16; bias of that dtype)."""
+    """W4A8 / grouped W8A8 / the K-quants (csrc/q4_gemm.c): q4_quantize_act's (codes, scales,
+    sums) times ``w``, a model/quant_q4.Q4Weight, in out_dtype (float32 or bfloat16; bias of that
+    dtype). ``out``: write columns col..col+n of this [m, N] tensor instead (a piece of a fused
+    product)."""
+    from kvledger.model.quant_q4 import FMT, GROUP_BYTES
+
     m, k = xq.shape
-    tiles = -(-n // 16)
-    if tuple(wq.shape) != (tiles, k // 32, 64 * bits) or tuple(ws.shape) != (tiles, k // 32, 16):
-        raise ValueError(f"q4_gemm: x {tuple(xq.shape)} against tiles {tuple(wq.shape)} / scales {tuple(ws.shape)}")
-    y = torch.empty(m, n, dtype=out_dtype)
+    n = w.n
+    if tuple(w.q.shape) != (-(-n // 16), k // 32, GROUP_BYTES[w.fmt]):
+        raise ValueError(f"q4_gemm: x {tuple(xq.shape)} against {w.fmt} tiles {tuple(w.q.shape)} of {n} rows")
+    y = torch.empty(m, n, dtype=out_dtype) if out is None else out
+    if y.dtype != out_dtype or not y.is_contiguous() or y.shape[0] != m or col + n > y.shape[1]:
+        raise ValueError(f"q4_gemm: output {tuple(y.shape)} {y.dtype} cannot take columns {col}..{col + n} of {m} rows")
     _check(
         library().kvl_q4_gemm(
-            xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), wq.data_ptr(), bits, ws.data_ptr(),
-            None if wz is None else wz.data_ptr(), None if mins is None else mins.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            int(out_dtype == torch.bfloat16), y.data_ptr(), m, n, k, torch.get_num_threads(),
+            xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), w.q.data_ptr(), FMT[w.fmt], w.scale.data_ptr(),
+            _ptr(w.zero), _ptr(w.super_scale), _ptr(bias),
+            int(out_dtype == torch.bfloat16), y.data_ptr() + col * y.element_size(), y.shape[1], m, n, k,
+            torch.get_num_threads(),
         ),
         "q4_gemm",
     )  # fmt: skip
     return y
 
 
-def q4_dequantize(
-    wq: torch.Tensor, ws: torch.Tensor, wz: torch.Tensor | None, n: int, dtype: torch.dtype, bits: int = 4,
-    mins: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The [n, K] weight tiled group codes stand for ((code - zero) x scale, rounded to dtype)."""
-    k = wq.shape[1] * 32
+def q4_dequantize(w, dtype: torch.dtype) -> torch.Tensor:
+    """The [n, K] weight a model/quant_q4.Q4Weight stands for, rounded to dtype."""
+    from kvledger.model.quant_q4 import FMT
+
+    n, k = w.shape
     out = torch.empty(-(-n // 16) * 16, k, dtype=dtype)
-    _check(library().kvl_q4_dequantize(wq.data_ptr(), bits, ws.data_ptr(), None if wz is None else wz.data_ptr(),
-                                       None if mins is None else mins.data_ptr(), out.data_ptr(), int(dtype == torch.bfloat16), out.shape[0], k,
-                                       torch.get_num_threads()), "q4_dequantize")
+    _check(library().kvl_q4_dequantize(w.q.data_ptr(), FMT[w.fmt], w.scale.data_ptr(), _ptr(w.zero),
+                                       _ptr(w.super_scale), out.data_ptr(), int(dtype == torch.bfloat16), out.shape[0],
+                                       k, torch.get_num_threads()), "q4_dequantize")  # fmt: skip
     return out[:n]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

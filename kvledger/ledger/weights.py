@@ -10,6 +10,7 @@ the model dtype. Torch-free, like the rest of the planner.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from kvledger import envs
@@ -73,23 +74,30 @@ def quantized_weight_bytes(spec: ModelSpec, method: str, total_bytes: int) -> in
 
 
 # The decoder-layer projections the engine holds fused, by their GGUF tensor names (a fused one is
-# kept quantised only where all its pieces share one type, as the loader does).
+# kept quantised where the loader keeps every piece: in tiles, runs of one type each; otherwise all
+# pieces of one type).
 _GGUF_FUSED = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+# in tiles: bits a code, bytes of scales a row per group of 32 and per 256 columns
+_GGUF_TILED = {"Q4_0": (4, 2, 0), "Q8_0": (8, 2, 0), "Q4_K": (4, 2, 4), "Q5_K": (5, 2, 4), "Q6_K": (6, 2, 2)}
 
 
-def _gguf_held(kind: str, rows: int, k: int, dtype_bytes: int) -> int | None:
-    """Bytes a [rows, k] projection of GGUF type ``kind`` is held in (model/quant_group.py's
-    group-wise weights, or model/quant_q4.py's tiles where activations are int8), or None where
-    the loader dequantises it into the model dtype."""
-    tiles = int4_tiles(dtype_bytes)
-    padded = -(-rows // 16) * 16
-    if kind in ("Q4_0", "Q8_0"):
-        bits = 4 if kind == "Q4_0" else 8
-        if tiles:
-            return padded * k * bits // 8 + padded * (k // 32) * 2
-        return rows * k * bits // 8 + rows * (k // 32) * 4
-    if kind == "Q4_K" and tiles:
-        return padded * k // 2 + padded * (k // 32) * 8
+def _gguf_held(kinds: list[str], rows: list[int], k: int, dtype_bytes: int) -> int | None:
+    """Bytes the pieces ([rows_i, k] of GGUF type kinds_i) of one fused projection are held in
+    (model/quant_q4.py's tiles where activations are int8: each run of one type its own, rows
+    padded to 16; else model/quant_group.py's group-wise weights), or None where the loader
+    dequantises it into the model dtype."""
+    if int4_tiles(dtype_bytes):
+        if not set(kinds) <= set(_GGUF_TILED):
+            return None
+        held = 0
+        for kind, run in itertools.groupby(zip(kinds, rows), key=lambda p: p[0]):
+            padded = -(-sum(r for _, r in run) // 16) * 16
+            bits, group_bytes, super_bytes = _GGUF_TILED[kind]
+            held += padded * (k * bits // 8 + (k // 32) * group_bytes + (k // 256) * super_bytes)
+        return held
+    if len(set(kinds)) == 1 and kinds[0] in ("Q4_0", "Q8_0"):
+        bits = 4 if kinds[0] == "Q4_0" else 8
+        return sum(rows) * k * bits // 8 + sum(rows) * (k // 32) * 4
     return None
 
 
@@ -110,11 +118,10 @@ def gguf_weight_bytes(path: str, dtype_bytes: int) -> int:
             names = [f"blk.{i}.{p}.weight" for p in parts]
             if not all(n in tensors for n in names):
                 continue
-            kinds = {tensors[n][0] for n in names}
             k = tensors[names[0]][1][0]  # GGUF lists the fastest dimension (a row's length) first
-            rows = sum(tensors[n][1][1] for n in names)
-            held = _gguf_held(kinds.pop(), rows, k, dtype_bytes) if len(kinds) == 1 else None
+            rows = [tensors[n][1][1] for n in names]
+            held = _gguf_held([tensors[n][0] for n in names], rows, k, dtype_bytes)
             if held is not None:
-                total -= rows * k * dtype_bytes - held
+                total -= sum(rows) * k * dtype_bytes - held
     return total
 

@@ -22,6 +22,7 @@ the two paths).
 from __future__ import annotations
 
 import ctypes
+import itertools
 from ctypes import Structure, c_float, c_int64, c_void_p
 
 import torch
@@ -31,15 +32,19 @@ from kvledger.kernels import native
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
 from kvledger.model.layers import GatedMLP, Linear, RMSNorm, RopeStep
 from kvledger.model.quant_int8 import Int8Weight
-from kvledger.model.quant_q4 import Q4Weight
+from kvledger.model.quant_q4 import FMT, Q4Split, Q4Weight
 from kvledger.storage.kv_cache import PagedKVCache
 
 
 class _Gemm(Structure):
-    _fields_ = [
-        ("w", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("blocked", c_int64),
-        ("kind", c_int64), ("bits", c_int64), ("scale", c_void_p), ("aux", c_void_p), ("mins", c_void_p),
-    ]  # fmt: skip
+    pass
+
+
+_Gemm._fields_ = [
+    ("w", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("blocked", c_int64),
+    ("kind", c_int64), ("fmt", c_int64), ("scale", c_void_p), ("aux", c_void_p), ("sup", c_void_p),
+    ("parts", ctypes.POINTER(_Gemm)), ("nparts", c_int64),
+]  # fmt: skip
 
 
 class _Layer(Structure):
@@ -71,15 +76,27 @@ def enabled() -> bool:
     return envs.KVLEDGER_FUSED_LAYER
 
 
+def _q4_gemm(w: Q4Weight, bias: int | None) -> _Gemm:
+    zero = None if w.zero is None else w.zero.data_ptr()
+    sup = None if w.super_scale is None else w.super_scale.data_ptr()
+    return _Gemm(w.q.data_ptr(), bias, w.n, w.shape[1], 0, 2, FMT[w.fmt], w.scale.data_ptr(), zero, sup)
+
+
 def _gemm(lin: Linear) -> _Gemm:
     bias = None if lin.bias is None else lin.bias.data_ptr()
     w = lin.quant
     if isinstance(w, Int8Weight):
-        return _Gemm(w.q.data_ptr(), bias, w.scale.shape[0], w.k, 0, 1, 8, w.scale.data_ptr(), w.wsum.data_ptr())
+        return _Gemm(w.q.data_ptr(), bias, w.scale.shape[0], w.k, 0, 1, 0, w.scale.data_ptr(), w.wsum.data_ptr())
     if isinstance(w, Q4Weight):
-        zero = None if w.zero is None else w.zero.data_ptr()
-        mins = None if w.mins is None else w.mins.data_ptr()
-        return _Gemm(w.q.data_ptr(), bias, w.n, w.shape[1], 0, 2, w.bits, w.scale.data_ptr(), zero, mins)
+        return _q4_gemm(w, bias)
+    if isinstance(w, Q4Split):  # pieces of different formats, each with its slice of the bias
+        cols = [0, *itertools.accumulate(p.n for p in w.parts)]
+        step = 0 if lin.bias is None else lin.bias.element_size()
+        parts = (_Gemm * len(w.parts))(*(_q4_gemm(p, None if bias is None else bias + c * step)
+                                         for p, c in zip(w.parts, cols)))  # fmt: skip
+        g = _Gemm(None, bias, w.shape[0], w.shape[1], 0, 3, 0, None, None, None, parts, len(w.parts))
+        g._keep = parts  # the array lives as long as this struct (FusedLayers keeps the structs)
+        return g
     s = lin.small
     return _Gemm(s.data.data_ptr(), bias, s.n, s.k, int(s.blocked), 0, 0, None, None)
 
@@ -89,7 +106,7 @@ def _plain_linear(lin, dtype: torch.dtype) -> bool:
     W8A8 / W4A8 (whose modules take the integer kernels at every row count)."""
     if type(lin) is not Linear or (lin.bias is not None and lin.bias.dtype != dtype):
         return False
-    if isinstance(lin.quant, Int8Weight) or (isinstance(lin.quant, Q4Weight) and lin.quant.perm is None):
+    if isinstance(lin.quant, (Int8Weight, Q4Split)) or (isinstance(lin.quant, Q4Weight) and lin.quant.perm is None):
         return True
     return lin.quant is None and lin.small is not None and lin.small.dtype == dtype
 
@@ -173,19 +190,21 @@ class FusedLayers:
             return self._addrs
         if not all(native.can_paged_decode(c, self.H, self.dtype) for c in kv_caches):
             return None
-        layers = []
+        layers, gemms = [], []
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             num_blocks, block_size, hkv, d = cache.k.shape
             if (hkv, d) != (self.Hkv, self.D) or not cache.v.is_contiguous():
                 return None
+            gemms.append([_gemm(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)])
             layers.append(_Layer(
                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                _gemm(attn.qkv_proj), _gemm(attn.o_proj), _gemm(mlp.gate_up_proj), _gemm(mlp.down_proj),
+                *gemms[-1],
                 cache.k.data_ptr(), cache.v.data_ptr(), num_blocks * block_size,
                 layer.input_layernorm.eps, attn.scale,
             ))  # fmt: skip
-        self._layers, self._key = layers, key
+        # the structs (and the piece arrays a Q4Split's point at) live as long as the layers
+        self._layers, self._gemms, self._key = layers, gemms, key
         self._addrs = [ctypes.addressof(x) for x in layers]
         return self._addrs
 

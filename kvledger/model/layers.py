@@ -17,7 +17,7 @@ from kvledger.kernels import native
 from kvledger.kernels.gemm_rows import RowInvariance, gemm_rows_bucket, rows_view
 from kvledger.model.quant_group import GroupWeight, group_linear
 from kvledger.model.quant_int8 import Int8Weight, int8_linear
-from kvledger.model.quant_q4 import Q4Weight, q4_linear
+from kvledger.model.quant_q4 import Q4Split, Q4Weight, q4_linear
 from kvledger.storage import host_memory
 
 
@@ -44,7 +44,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN copy of weight, see pack()
         self.small: native.GemmWeight | None = None  # the native few-row kernel's copy, see pack()
-        self.quant: Int8Weight | GroupWeight | Q4Weight | None = None  # weight holds the codes, see quantize()
+        self.quant: Int8Weight | GroupWeight | Q4Weight | Q4Split | None = None  # weight holds the codes, see quantize()
 
     @property
     def native_small(self) -> bool:
@@ -100,25 +100,29 @@ class Linear(nn.Module):
         else:
             raise ValueError(f"unknown quantization {method!r}")
 
-    def set_quantized(self, w: GroupWeight | Int8Weight | Q4Weight) -> None:
+    def set_quantized(self, w: GroupWeight | Int8Weight | Q4Weight | Q4Split) -> None:
         """Hold a quantised weight (made on the fly, or read from a GGUF / GPTQ / AWQ /
         compressed-tensors checkpoint) instead of a float one (group-wise ones become tiles for
         int8 activations later: LlamaForCausalLM.tile_group_weights). Its tensors are the
         module's parameters (and only they: a previous format's go), so the ledger counts what is
-        held."""
-        for name in ("quant_scale", "quant_wsum", "quant_zero", "quant_perm", "quant_mins"):
-            self._parameters.pop(name, None)
-        self.weight = nn.Parameter(w.q, requires_grad=False)
-        extra = {"quant_scale": w.scale}
-        if isinstance(w, Int8Weight):
-            extra["quant_wsum"] = w.wsum
-        else:
-            extra.update(quant_zero=w.zero, quant_perm=w.perm)
-            if isinstance(w, Q4Weight):
-                extra["quant_mins"] = w.mins
-        for name, t in extra.items():
-            if t is not None:
-                self.register_parameter(name, nn.Parameter(t, requires_grad=False))
+        held (a Q4Split's pieces after the first as quant_p<i>_*)."""
+        for name in [n for n in self._parameters if n.startswith("quant_")]:
+            del self._parameters[name]
+        parts = w.parts if isinstance(w, Q4Split) else (w,)
+        self.weight = nn.Parameter(parts[0].q, requires_grad=False)
+        for i, part in enumerate(parts):
+            prefix = "quant_" if i == 0 else f"quant_p{i}_"
+            extra = {"q": part.q} if i else {}
+            extra["scale"] = part.scale
+            if isinstance(part, Int8Weight):
+                extra["wsum"] = part.wsum
+            else:
+                extra.update(zero=part.zero, perm=part.perm)
+                if isinstance(part, Q4Weight):
+                    extra["super_scale"] = part.super_scale
+            for name, t in extra.items():
+                if t is not None:
+                    self.register_parameter(prefix + name, nn.Parameter(t, requires_grad=False))
         self.quant = w
 
     def _native_takes(self, x: torch.Tensor) -> bool:
@@ -133,7 +137,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.quant, Int8Weight):
             return int8_linear(x, self.quant, self.bias)
-        if isinstance(self.quant, Q4Weight):
+        if isinstance(self.quant, (Q4Weight, Q4Split)):
             return q4_linear(x, self.quant, self.bias)
         if self.quant is not None:
             return group_linear(x, self.quant, self.bias)

@@ -9,6 +9,7 @@ config.json and generation_config.json are read by kvledger.hf.config, as the pl
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -228,12 +229,39 @@ def _load_w8a8(model: LlamaForCausalLM, reader: CheckpointReader, sources: dict[
         del sources[name]
 
 
+def _gguf_tiles(src, pieces: list[tuple[str, int, int]], shape: tuple[int, int]):
+    """A layer projection's GGUF pieces (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) in csrc/q4_gemm.c's tiles:
+    one quant_q4.Q4Weight where they share a type, else a Q4Split of the runs of one type."""
+    from kvledger.model import quant_q4
+    from kvledger.model.quant_group import GroupWeight
+    from kvledger.storage import host_memory
+
+    alloc = host_memory.zeros
+    parts = []
+    for kind, run in itertools.groupby(pieces, key=lambda p: src.type_of(p[0])):
+        run = list(run)
+        if kind in ("Q4_0", "Q8_0"):
+            got = [src.group(hf) for hf, _, _ in run]
+            w = quant_q4.pack(GroupWeight(torch.cat([c for c, _, _ in got]), torch.cat([s for _, s, _ in got]),
+                                          got[0][2]), alloc=alloc)  # fmt: skip
+        else:
+            read = src.q6_k if kind == "Q6_K" else src.k_quant
+            fields = [torch.cat(f) for f in zip(*(read(hf) for hf, _, _ in run))]
+            w = (quant_q4.pack_q6(*fields, alloc=alloc) if kind == "Q6_K"
+                 else quant_q4.pack_k(*fields, kquant=kind, alloc=alloc))  # fmt: skip
+        if w.shape != (sum(n for _, _, n in run), shape[1]):
+            raise ConfigError(f"GGUF tensor {src.gguf_name(run[0][0])} does not match the shape config.json implies {shape}")
+        parts.append(w)
+    return parts[0] if len(parts) == 1 else quant_q4.Q4Split(tuple(parts))
+
+
 def _load_gguf(
     model: LlamaForCausalLM, path: Path, dtype: torch.dtype, device: torch.device, hf_config: dict[str, Any]
 ) -> None:
-    """Fill the model from the GGUF file a cache folder names (hf/gguf_file.py): Q8_0 / Q4_0
-    layer projections become group-wise weights as they are (every piece of a fused projection
-    of one such type), everything else floats in ``dtype``."""
+    """Fill the model from the GGUF file a cache folder names (hf/gguf_file.py): layer projections
+    of the quantised types kvledger runs stay as they are (in bf16 / fp16 models every such type in
+    quant_q4's tiles; in float32 ones Q8_0 / Q4_0 as group-wise weights, every piece of a fused
+    projection of one such type), everything else floats in ``dtype``."""
     from kvledger.hf.gguf_file import FLOAT, KEPT, KEPT_INT8_ACTIVATIONS, GGUFWeights
     from kvledger.model import quant_q4
     from kvledger.model.layers import Linear
@@ -249,20 +277,15 @@ def _load_gguf(
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and ".layers." in f".{n}"}
     shapes = {name: param.shape for name, param in model.named_parameters()}
     state: dict[str, torch.Tensor] = {}
-    grouped: dict[str, GroupWeight | quant_q4.Q4Weight] = {}
+    grouped: dict[str, GroupWeight | quant_q4.Q4Weight | quant_q4.Q4Split] = {}
     dequantised: set[str] = set()
     k_tiles = device.type == "cpu" and quant_q4.int8_activations(dtype)
     for name, pieces in sources.items():
         owner, _, leaf = name.rpartition(".")
         kinds = {src.type_of(hf) for hf, _, _ in pieces}
         shape = shapes[name]
-        if leaf == "weight" and owner in linears and len(kinds) == 1 and kinds <= set(KEPT_INT8_ACTIVATIONS) and k_tiles:
-            parts = [src.k_quant(hf) for hf, _, _ in pieces]
-            nib = torch.cat([p[0] for p in parts])
-            if nib.shape != tuple(shape):
-                raise ConfigError(f"GGUF tensor {src.gguf_name(pieces[0][0])} does not match the shape config.json implies {tuple(shape)}")
-            grouped[owner] = quant_q4.pack_k(nib, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]),
-                                             alloc=host_memory.zeros)
+        if leaf == "weight" and owner in linears and kinds <= set(KEPT_INT8_ACTIVATIONS) and k_tiles:
+            grouped[owner] = _gguf_tiles(src, pieces, tuple(shape))
             continue
         if leaf == "weight" and owner in linears and len(kinds) == 1 and kinds <= set(KEPT) and device.type == "cpu":
             parts = [src.group(hf) for hf, _, _ in pieces]
@@ -292,7 +315,7 @@ def _load_gguf(
 
         logging.getLogger("kvledger").warning(
             "%s: tensors of type %s are held dequantised in %s (kvledger runs Q8_0 and Q4_0 as they are, "
-            "and Q4_K in bf16 / fp16 models)",
+            "and Q4_K, Q5_K and Q6_K layer projections in bf16 / fp16 models)",
             src.path.name, ", ".join(sorted(dequantised)), str(dtype).removeprefix("torch."),
         )  # fmt: skip
 

@@ -1,7 +1,10 @@
 """4-bit weights with 8-bit activations (W4A8; llama.cpp's Q4_0 x Q8_0 arithmetic): the group-wise
 4-bit weights of model/quant_group.py (on-the-fly int4, GGUF Q4_0, GPTQ, AWQ) repacked at load
 into csrc/q4_gemm.c's tiles, multiplied with activations quantised to int8 per group of 32 at each
-product. GGUF Q8_0's 8-bit groups take the same path (Q8_0 x Q8_0).
+product. GGUF Q8_0's 8-bit groups take the same path (Q8_0 x Q8_0), and so do GGUF's K-quants
+Q4_K, Q5_K and Q6_K (their exact values, held in the tiles' 4-bit or 8-bit layout with their own
+scales: ``pack_k``, ``pack_q6``). A fused projection whose GGUF pieces differ in type (Q4_K_M's
+qkv: Q4_K q and k, Q6_K v) is a ``Q4Split``: each piece's tiles write their columns of one output.
 
 Why: on a CPU a decode step streams every weight once; 4 bits a weight is a quarter of bf16's
 traffic, but widening nibbles to floats (group_gemm.c) costs more than the traffic saved. Integer
@@ -14,6 +17,7 @@ are exactly the dequantised weights' (``KVLEDGER_INT4_ACTIVATIONS`` overrides ei
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -25,58 +29,120 @@ from kvledger.model.quant_group import GROUP, GroupWeight, codes
 TILE = 16  # output rows per tile
 
 
+# csrc/q4_gemm.c's formats: fmt codes, and bytes of codes a group of 16 rows
+FMT = {"q4": 0, "Q4_K": 1, "q8": 2, "Q5_K": 3, "Q6_K": 4}
+GROUP_BYTES = {"q4": 256, "Q4_K": 256, "q8": 512, "Q5_K": 320, "Q6_K": 384}
+
+
 @dataclass(frozen=True)
 class Q4Weight:
-    """Group-wise codes in csrc/q4_gemm.c's tiles (4 bits: W4A8; 8 bits, GGUF Q8_0: W8A8 in groups)."""
+    """Group-wise codes in csrc/q4_gemm.c's tiles: 4 bits (W4A8), 8 bits (GGUF Q8_0: W8A8 in
+    groups), or one of GGUF's K-quants (``kquant``) in its own bits and scales."""
 
-    q: torch.Tensor  # uint8 [tiles, K / 32, 256 (4 bits) or 512 (8 bits)]: per group 4 or 8 vectors of 16 rows x 4 bytes
-    scale: torch.Tensor  # int16 [tiles, K / 32, 16]: fp16 bits
-    zero: torch.Tensor | None  # 4 bits: uint8 [tiles, K / 32, 16], None: every zero is 8 (8 bits: 128)
+    q: torch.Tensor  # uint8 [tiles, K / 32, GROUP_BYTES]: per group 4 vectors of 16 rows x 4 bytes of nibbles (8 bits: 8 of bytes), then the K-quants' high bits
+    # fp16 bits (int16) [tiles, K / 32, 16]; Q4_K / Q5_K: uint8 sc [tiles, K / 32, 16];
+    # Q6_K: int8 sc per 16 columns [tiles, K / 32, 32] (columns 0-15 of the 16 rows, then 16-31)
+    scale: torch.Tensor
+    zero: torch.Tensor | None  # 4 bits: uint8 [tiles, K / 32, 16] or None (every zero 8); Q4_K / Q5_K: uint8 m
     n: int  # output rows (the tiles pad to 16)
     perm: torch.Tensor | None = None  # as GroupWeight.perm
-    bits: int = 4
-    # GGUF Q4_K: float32 [tiles, K / 32, 16] mins, the weight nibble x scale - min (scale then
-    # float32 [tiles, K / 32, 16] too, no zero points)
-    mins: torch.Tensor | None = None
+    bits: int = 4  # bits a code: 4, 5 (Q5_K), 6 (Q6_K) or 8
+    kquant: str | None = None  # "Q4_K", "Q5_K" or "Q6_K"
+    # the K-quants' fp16 bits (int16) per 256 columns: [tiles, K / 256, 32] d for the 16 rows then
+    # dmin (Q4_K, Q5_K), or [tiles, K / 256, 16] d (Q6_K)
+    super_scale: torch.Tensor | None = None
+
+    @property
+    def fmt(self) -> str:
+        return self.kquant or ("q8" if self.bits == 8 else "q4")
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.n, self.q.shape[1] * GROUP
 
     def stored(self) -> torch.Tensor:
-        """The stored codes [n, K] in column order: nibbles 0..15, or 8-bit codes + 128."""
+        """The stored codes [n, K] in column order: 0 .. 2^bits - 1 (Q8_0's: code + 128)."""
         t, groups, _ = self.q.shape
         if self.bits == 8:
             b = self.q.view(t, groups, 8, TILE, 4)  # tile, group, vector, row, byte
             return b.permute(0, 3, 1, 2, 4).reshape(t * TILE, groups * GROUP)[: self.n]
-        b = self.q.view(t, groups, 4, TILE, 4)
+        b = self.q[..., :256].reshape(t, groups, 4, TILE, 4)
         cols = torch.stack([b & 0x0F, b >> 4], dim=2)  # tile, group, half, vector, row, byte
+        if self.kquant in ("Q5_K", "Q6_K"):
+            width = 1 if self.kquant == "Q5_K" else 2
+            cols = cols | (_high_bits(self.q[..., 256:], width) << 4)
         return cols.permute(0, 4, 1, 2, 3, 5).reshape(t * TILE, groups * GROUP)[: self.n]
 
     def zeros(self) -> torch.Tensor:
         """Zero points [n, K / 32] (int32)."""
         if self.zero is None:
-            return torch.full((self.n, self.q.shape[1]), 128 if self.bits == 8 else 8, dtype=torch.int32)
+            return torch.full((self.n, self.q.shape[1]), {8: 128, 6: 32}.get(self.bits, 8), dtype=torch.int32)
         return self.zero.permute(0, 2, 1).reshape(-1, self.q.shape[1])[: self.n].to(torch.int32)
 
     def _per_row(self, t: torch.Tensor) -> torch.Tensor:
-        return t.permute(0, 2, 1).reshape(-1, self.q.shape[1])[: self.n]
+        return t.permute(0, 2, 1).reshape(-1, t.shape[1])[: self.n]
+
+    def _super(self, i: int) -> torch.Tensor:
+        """The K-quants' d (i 0) or dmin (i 1) per group, float32 [n, K / 32]."""
+        t = self.super_scale.view(torch.float16).float()[..., i * TILE : (i + 1) * TILE]
+        return self._per_row(t).repeat_interleave(256 // GROUP, dim=1)
 
     def scales(self) -> torch.Tensor:
-        """float32 scales [n, K / 32]."""
-        return self._per_row(self.scale if self.mins is not None else self.scale.view(torch.float16)).float()
+        """float32 scales [n, K / 32]: the weight's (Q4_K, Q5_K: d x sc; Q6_K: d)."""
+        if self.kquant == "Q6_K":
+            return self._super(0)
+        if self.kquant:  # d x sc, exact in float32 (an fp16 d times a 6-bit sc)
+            return self._super(0) * self._per_row(self.scale).float()
+        return self._per_row(self.scale.view(torch.float16)).float()
 
     def min_values(self) -> torch.Tensor:
-        """Q4_K's float32 mins [n, K / 32]."""
-        return self._per_row(self.mins)
+        """Q4_K's / Q5_K's float32 mins dmin x m [n, K / 32]."""
+        return self._super(1) * self._per_row(self.zero).float()
+
+    def sub_scales(self) -> torch.Tensor:
+        """Q6_K's int32 scales per 16 columns [n, K / 16]."""
+        t, groups, _ = self.scale.shape
+        return self.scale.view(t, groups, 2, TILE).permute(0, 3, 1, 2).reshape(t * TILE, groups * 2)[: self.n].to(torch.int32)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
         c = self.stored().to(torch.int32).view(n, k // GROUP, GROUP)
-        if self.mins is not None:  # llama.cpp's d x q - m, in float32
+        if self.kquant in ("Q4_K", "Q5_K"):  # llama.cpp's (d x sc) x q - dmin x m, in float32
             return (c.float() * self.scales()[..., None] - self.min_values()[..., None]).reshape(n, k).to(dtype)
         c = (c - self.zeros()[..., None]).float()
+        if self.kquant == "Q6_K":  # (code - 32) x (d x sc): exact in float32
+            per16 = self.scales().repeat_interleave(2, dim=1) * self.sub_scales().float()
+            return (c.view(n, k // 16, 16) * per16[..., None]).reshape(n, k).to(dtype)
         return (c * self.scales()[..., None]).reshape(n, k).to(dtype)
+
+
+def _high_bits(planes: torch.Tensor, width: int) -> torch.Tensor:
+    """The K-quants' high bits from their planes [tiles, K / 32, 64 x width] as [tiles, K / 32,
+    half, vector, row, byte]: Q5_K (width 1) bit v (columns 0-15) or 4 + v (16-31) of byte (row,
+    byte); Q6_K (width 2) bits 2v..2v+1 of the first plane (columns 0-15) or the second."""
+    t, groups, _ = planes.shape
+    v = torch.arange(4, dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
+    if width == 1:
+        b = planes.reshape(t, groups, 1, 1, TILE, 4)
+        shift = v + torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1, 1, 1)
+        return (b >> shift) & 1
+    b = planes.reshape(t, groups, 2, 1, TILE, 4)
+    return (b >> (2 * v)) & 3
+
+
+@dataclass(frozen=True)
+class Q4Split:
+    """A fused projection held as pieces of different formats (a GGUF file's q, k and v of
+    different types), each run by its own kernel into its columns of one output."""
+
+    parts: tuple[Q4Weight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.n for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
 
 
 def eligible(w: GroupWeight) -> bool:
@@ -85,17 +151,25 @@ def eligible(w: GroupWeight) -> bool:
 
 
 def _tile_codes(stored: torch.Tensor, bits: int, alloc) -> torch.Tensor:
-    """Stored codes [N, K] (nibbles 0..15, or 8-bit codes + 128) in the kernel's tiles, padding
-    rows zero, in memory from ``alloc(shape, dtype=)``."""
+    """Stored codes [N, K] (0 .. 2^bits - 1, Q8_0's + 128) in the kernel's tiles, padding rows
+    zero, in memory from ``alloc(shape, dtype=)``: nibbles (and Q5_K's / Q6_K's high-bit planes
+    after them), or bytes."""
     n, k = stored.shape
     tiles, groups = -(-n // TILE), k // GROUP
     full = torch.zeros(tiles * TILE, groups, GROUP, dtype=torch.uint8)
     full[:n] = stored.view(n, groups, GROUP)
     if bits == 8:  # tile, row, group, vector, byte -> tile, group, vector, row, byte
         packed = full.view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 512)
-    else:  # tile, row, group, half (lo: columns 0-15, hi: 16-31), vector, byte -> tile, group, vector, row, byte
-        parts = full.view(tiles, TILE, groups, 2, 4, 4)
-        packed = (parts[:, :, :, 0] | (parts[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
+    else:  # tile, row, group, half (lo: columns 0-15, hi: 16-31), vector, byte -> tile, group, half, vector, row, byte
+        parts = (full.view(tiles, TILE, groups, 2, 4, 4) & 0x0F).permute(0, 2, 3, 4, 1, 5)
+        planes = [(parts[:, :, 0] | (parts[:, :, 1] << 4)).reshape(tiles, groups, 256)]
+        high = (full.view(tiles, TILE, groups, 2, 4, 4) >> 4).permute(0, 2, 3, 4, 1, 5)  # as parts
+        v = torch.arange(4, dtype=torch.uint8).view(1, 1, 4, 1, 1)
+        if bits == 5:  # bit v: column 4v + byte of the first half; bit 4 + v: of the second
+            planes.append(((high[:, :, 0] << v) | (high[:, :, 1] << (v + 4))).sum(2, dtype=torch.uint8).reshape(tiles, groups, 64))
+        elif bits == 6:  # bits 2v..2v+1: column 4v + byte, one plane a half
+            planes.append((high << (2 * v).unsqueeze(1)).sum(3, dtype=torch.uint8).reshape(tiles, groups, 128))
+        packed = torch.cat(planes, dim=2)
     q = alloc(tuple(packed.shape), dtype=torch.uint8)
     q.copy_(packed)
     return q
@@ -124,12 +198,32 @@ def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
     return Q4Weight(_tile_codes(stored, w.bits, alloc), scale, zero, n, w.perm, w.bits)
 
 
-def pack_k(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, alloc=torch.zeros) -> Q4Weight:
-    """GGUF Q4_K's values (nibbles [N, K] 0..15, float32 scales d x sc and mins dmin x m [N, K / 32])
-    in the kernel's tiles."""
-    n = nibbles.shape[0]
-    q = _tile_codes(nibbles, 4, alloc)
-    return Q4Weight(q, _tile_rows(scale.float(), n), None, n, None, 4, _tile_rows(mins.float(), n))
+def _tile_super(values: list[torch.Tensor], n: int) -> torch.Tensor:
+    """The K-quants' fp16 [n, K / 256] d (and dmin) as [tiles, K / 256, 16 x their count] (int16)."""
+    return torch.cat([_tile_rows(v.half(), n) for v in values], dim=2).view(torch.int16).contiguous()
+
+
+def pack_k(
+    codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor,
+    kquant: str = "Q4_K", alloc=torch.zeros,
+) -> Q4Weight:
+    """GGUF Q4_K's (codes 0..15) or Q5_K's (0..31) values in the kernel's tiles: codes [N, K],
+    6-bit sc and m [N, K / 32], fp16 d and dmin [N, K / 256]; the weight code x (d x sc) - dmin x m."""
+    n = codes.shape[0]
+    bits = 4 if kquant == "Q4_K" else 5
+    return Q4Weight(_tile_codes(codes, bits, alloc), _tile_rows(sc.to(torch.uint8), n), _tile_rows(m.to(torch.uint8), n),
+                    n, None, bits, kquant, _tile_super([d, dmin], n))  # fmt: skip
+
+
+def pack_q6(codes: torch.Tensor, sub: torch.Tensor, d: torch.Tensor, alloc=torch.zeros) -> Q4Weight:
+    """GGUF Q6_K's values (codes [N, K] 0..63, int8 scales [N, K / 16], fp16 d [N, K / 256]) in the
+    kernel's tiles: the weight (code - 32) x d x sub."""
+    n, k = codes.shape
+    groups, tiles = k // GROUP, -(-n // TILE)
+    full = torch.zeros(tiles * TILE, groups, 2, dtype=torch.int8)
+    full[:n] = sub.to(torch.int8).view(n, groups, 2)
+    per16 = full.view(tiles, TILE, groups, 2).permute(0, 2, 3, 1).reshape(tiles, groups, 2 * TILE).contiguous()
+    return Q4Weight(_tile_codes(codes, 6, alloc), per16, None, n, None, 6, "Q6_K", _tile_super([d], n))
 
 
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,25 +237,38 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return q.to(torch.int8).reshape(m, k), s, q.sum(dim=-1).to(torch.int32)
 
 
-def reference_gemm(x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def reference_gemm(x: torch.Tensor, w: Q4Weight | Q4Split, bias: torch.Tensor | None) -> torch.Tensor:
     """csrc/q4_gemm.c's arithmetic in torch (same bits): per group an exact integer dot product
-    less zero x code sum, then acc = acc + d * (weight scale * activation scale), group by group."""
+    less zero x code sum, then acc = acc + d * (weight scale * activation scale), group by group
+    (Q4_K / Q5_K: less the min's term in float; Q6_K: the halves' sums weighted by their int8
+    scales, in integers)."""
+    if isinstance(w, Q4Split):
+        cols = [0, *itertools.accumulate(p.n for p in w.parts)]
+        return torch.cat([reference_gemm(x, p, None if bias is None else bias[a:b])
+                          for p, a, b in zip(w.parts, cols, cols[1:])], dim=1)  # fmt: skip
     m = x.shape[0]
     n, k = w.shape
     xq, xs, xsum = quantize_act(x)
     groups = k // GROUP
-    nib = w.stored().to(torch.int64).view(n, groups, GROUP)
-    d = torch.einsum("ngj,mgj->mng", nib, xq.to(torch.int64).view(m, groups, GROUP))
+    if w.kquant == "Q6_K":  # integer dot products per 16 columns, weighted by the int8 scales
+        halves = w.stored().to(torch.int64).view(n, groups * 2, 16)
+        xh = xq.to(torch.int64).view(m, groups * 2, 16)
+        d = torch.einsum("ngj,mgj->mng", halves, xh) - 32 * xh.sum(-1)[:, None, :]
+        d = (d * w.sub_scales().to(torch.int64)[None]).view(m, n, groups, 2).sum(-1)
+    else:
+        nib = w.stored().to(torch.int64).view(n, groups, GROUP)
+        d = torch.einsum("ngj,mgj->mng", nib, xq.to(torch.int64).view(m, groups, GROUP))
     sw = w.scales()
     acc = torch.zeros(m, n, dtype=torch.float32)
-    if w.mins is not None:
+    if w.kquant in ("Q4_K", "Q5_K"):
         mn = w.min_values()
         for g in range(groups):
             sx = xs[:, None, g]
             t1 = d[:, :, g].float() * (sw[None, :, g] * sx)
             acc = acc + (t1 - mn[None, :, g] * (xsum[:, None, g].float() * sx))
     else:
-        d = d - w.zeros().to(torch.int64)[None] * xsum.to(torch.int64)[:, None, :]
+        if w.kquant != "Q6_K":
+            d = d - w.zeros().to(torch.int64)[None] * xsum.to(torch.int64)[:, None, :]
         for g in range(groups):
             acc = acc + d[:, :, g].float() * (sw[None, :, g] * xs[:, None, g])
     if bias is not None:
@@ -175,17 +282,23 @@ def int8_activations(dtype: torch.dtype) -> bool:
     return int4_tiles(dtype.itemsize)
 
 
-def q4_linear(x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def q4_linear(x: torch.Tensor, w: Q4Weight | Q4Split, bias: torch.Tensor | None) -> torch.Tensor:
     """Every product, decode or prefill, through the W4A8 kernel: it beats dequantise-then-GEMM
     at every row count measured (1-256 rows, benchmarks/quant_decode.py's shapes), and a row's
     result never depends on the batch it is in."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if w.perm is not None:
-        x2 = x2.index_select(1, w.perm)
+    parts = w.parts if isinstance(w, Q4Split) else (w,)
+    if parts[0].perm is not None:
+        x2 = x2.index_select(1, parts[0].perm)
     if native.available(x2):
         xq, xs, xsum = native.q4_quantize_act(x2)
-        y = native.q4_gemm(xq, xs, xsum, w.q, w.scale, w.zero, w.n, bias, x2.dtype, w.bits, w.mins)
+        y = torch.empty(x2.shape[0], sum(p.n for p in parts), dtype=x2.dtype)
+        col = 0
+        for p in parts:
+            b = None if bias is None else bias[col : col + p.n]
+            native.q4_gemm(xq, xs, xsum, p, b, x2.dtype, out=y, col=col)
+            col += p.n
     else:
         y = reference_gemm(x2, w, bias)
     return y.view(*shape[:-1], y.shape[-1])

@@ -22,14 +22,18 @@
 
 /* A weight as native.GemmWeight holds it (kind 0: blocked (packed) or row-major [n, k]), or a
  * quantised one: kind 1 W8A8 (int8_gemm.c's tiles, scale: float32 per row, aux: int32 code sums),
- * kind 2 W4A8 / W8A8 in groups (q4_gemm.c's tiles, scale: fp16 per tile and group, aux: zeros or NULL). */
-typedef struct {
+ * kind 2 q4_gemm.c's tiles (``fmt``, and its scale, aux (wz) and sup (wsup) arguments), kind 3
+ * pieces of kind 2 (``parts``, of different formats) writing consecutive column ranges of one
+ * output. */
+typedef struct kvl_gemm {
     const void *w, *bias; /* bias: NULL or n elements */
     int64_t n, k;
     int64_t blocked;
-    int64_t kind, bits; /* bits: kind 2's codes, 4 or 8 */
+    int64_t kind, fmt; /* fmt: kind 2's format (q4_gemm.c) */
     const void *scale, *aux;
-    const float *mins; /* kind 2: Q4_K's mins, or NULL */
+    const uint16_t *sup; /* kind 2: the K-quants' fp16 scales per 256 columns, or NULL */
+    const struct kvl_gemm *parts; /* kind 3: nparts pieces, their n summing to n */
+    int64_t nparts;
 } kvl_gemm_t;
 
 typedef struct {
@@ -55,22 +59,26 @@ typedef struct {
 } kvl_step_t;
 
 /* A quantised product as the modules run it (quant_int8.int8_linear, quant_q4.q4_linear): the
- * activations quantised, then the integer kernel. */
+ * activations quantised, then the integer kernel (each piece's, into its columns, for kind 3). */
 static int quantised_gemm(const kvl_gemm_t *g, int elem, const void *x, void *y, int64_t m, int threads) {
     const int bf16 = elem == ELEM_BF16;
     const int64_t K = g->k, groups = K / 32;
     int rc = -1;
     int8_t *q = malloc((size_t)(m * K));
     float *s = malloc(sizeof(float) * (size_t)(m * (g->kind == 1 ? 1 : groups)));
-    int32_t *sums = g->kind == 2 ? malloc(sizeof(int32_t) * (size_t)(m * groups)) : NULL;
+    int32_t *sums = g->kind != 1 ? malloc(sizeof(int32_t) * (size_t)(m * groups)) : NULL;
     if (q && s && (g->kind == 1 || sums)) {
-        if (g->kind == 1)
+        if (g->kind == 1) {
             rc = kvl_quantize_rows_i8(x, bf16, q, s, m, K, threads) ||
                  kvl_int8_gemm(q, s, g->w, g->scale, g->aux, g->bias, bf16, y, m, g->n, K, threads);
-        else
-            rc = kvl_q4_quantize_act(x, bf16, q, s, sums, m, K, threads) ||
-                 kvl_q4_gemm(q, s, sums, g->w, (int)g->bits, g->scale, g->aux, g->mins, g->bias, bf16, y, m, g->n, K,
-                             threads);
+        } else {
+            rc = kvl_q4_quantize_act(x, bf16, q, s, sums, m, K, threads);
+            const kvl_gemm_t *ps = g->kind == 3 ? g->parts : g;
+            const int64_t np = g->kind == 3 ? g->nparts : 1;
+            for (int64_t i = 0, col = 0; i < np && rc == 0; col += ps[i].n, i++)
+                rc = kvl_q4_gemm(q, s, sums, ps[i].w, (int)ps[i].fmt, ps[i].scale, ps[i].aux, ps[i].sup,
+                                 ps[i].bias, bf16, (char *)y + col * (bf16 ? 2 : 4), g->n, m, ps[i].n, K, threads);
+        }
     }
     free(q);
     free(s);
