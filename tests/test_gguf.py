@@ -41,8 +41,8 @@ def random_k_quant(kind: str, shape: tuple[int, int], seed: int = 0) -> np.ndarr
 
 
 def q4_k_m(i: int, proj: str) -> str:
-    """Layer projections' types as llama.cpp's Q4_K_M mixes them (Q6_K for some attn_v / ffn_down),
-    here with Q5_K too: layer 0's v and down Q6_K, layer 1's Q5_K, the rest Q4_K."""
+    """Layer projections' types as llama.cpp's Q4_K_M mixes them (Q6_K for some attn_v / ffn_down,
+    and the LM head), here with Q5_K too: layer 0's v and down Q6_K, layer 1's Q5_K, the rest Q4_K."""
     if proj in ("self_attn.v_proj", "mlp.down_proj") and int(i) < 2:
         return "Q6_K" if int(i) == 0 else "Q5_K"
     return "Q4_K"
@@ -77,6 +77,8 @@ def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0") 
         t = t.astype(np.float32)
         if hf in names:
             name, kind = names[hf], embed_type if hf.endswith("embed_tokens.weight") else "F32"
+            if hf == "lm_head.weight" and layer_type == "Q4_K_M":  # as llama.cpp's Q4_K_M
+                kind = "Q6_K"
         else:
             i, rest = hf.split(".")[2], ".".join(hf.split(".")[3:-1])
             name = f"blk.{i}.{layer[rest]}.weight"
@@ -248,6 +250,9 @@ def test_a_k_quant_file_runs_natively_with_its_exact_values(tmp_path, stories_pa
             assert isinstance(qkv, Q4Split) and [p.kquant for p in qkv.parts] == ["Q4_K", "Q6_K" if i == 0 else "Q5_K"]
         else:
             assert isinstance(qkv, Q4Weight) and qkv.kquant == "Q4_K"
+    if layer_type == "Q4_K_M":  # the untied LM head in Q6_K, as llama.cpp's Q4_K_M holds it
+        head = bf16.engine.executor.worker.model.lm_head.quant
+        assert head.kquant == "Q6_K" and torch.equal(head.dequantize(), torch.from_numpy(oracle["lm_head.weight"]))
     monkeypatch.setenv("KVLEDGER_INT4_ACTIVATIONS", "int8")
     _, fast = tokens()
     monkeypatch.setenv("KVLEDGER_FUSED_LAYER", "0")

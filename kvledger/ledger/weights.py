@@ -123,5 +123,10 @@ def gguf_weight_bytes(path: str, dtype_bytes: int) -> int:
             held = _gguf_held([tensors[n][0] for n in names], rows, k, dtype_bytes)
             if held is not None:
                 total -= sum(rows) * k * dtype_bytes - held
+    if "output.weight" in tensors:  # an untied LM head, held as the projections are
+        kind, (k, rows) = tensors["output.weight"]
+        held = _gguf_held([kind], [rows], k, dtype_bytes)
+        if held is not None:
+            total -= rows * k * dtype_bytes - held
     return total
 

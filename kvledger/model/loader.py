@@ -274,7 +274,9 @@ def _load_gguf(
     if missing:
         shown = ", ".join(src.gguf_name(h) for h in missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ConfigError(f"GGUF file {src.path.name} lacks {len(missing)} tensor(s): {shown}")
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and ".layers." in f".{n}"}
+    # the layer projections and an untied LM head (llama.cpp's Q4_K_M holds it in Q6_K: for a large
+    # vocabulary a good part of the weights a decode step streams)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and (".layers." in f".{n}" or n == "lm_head")}
     shapes = {name: param.shape for name, param in model.named_parameters()}
     state: dict[str, torch.Tensor] = {}
     grouped: dict[str, GroupWeight | quant_q4.Q4Weight | quant_q4.Q4Split] = {}
@@ -314,8 +316,8 @@ def _load_gguf(
         import logging
 
         logging.getLogger("kvledger").warning(
-            "%s: tensors of type %s are held dequantised in %s (kvledger runs Q8_0 and Q4_0 as they are, "
-            "and Q4_K, Q5_K and Q6_K layer projections in bf16 / fp16 models)",
+            "%s: tensors of type %s are held dequantised in %s (kvledger runs the layer projections and an "
+            "untied LM head as they are: Q8_0 and Q4_0, and Q4_K, Q5_K and Q6_K in bf16 / fp16 models)",
             src.path.name, ", ".join(sorted(dequantised)), str(dtype).removeprefix("torch."),
         )  # fmt: skip
 
