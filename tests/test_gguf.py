@@ -48,10 +48,11 @@ def q4_k_m(i: int, proj: str) -> str:
     return "Q4_K"
 
 
-def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0") -> dict[str, np.ndarray]:
+def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0", vocab: bool = False) -> dict[str, np.ndarray]:
     """stories260k as a GGUF file; returns every tensor as gguf-py dequantises it, in HF layout
     and names (the oracle's weights). layer_type: the layer projections' type, or "Q4_K_M" for
-    ``q4_k_m``'s mix."""
+    ``q4_k_m``'s mix. vocab: the tokenizer in the metadata too, as llama.cpp's converter writes a
+    Llama tokenizer.json (gguf-py's LlamaHfVocab)."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((src / "config.json").read_text())
@@ -68,6 +69,14 @@ def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0") 
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    if vocab:
+        from gguf.vocab import LlamaHfVocab
+
+        tokens, scores, types = zip(*LlamaHfVocab(src).all_tokens())
+        w.add_tokenizer_model("llama")
+        w.add_token_list(list(tokens))
+        w.add_token_scores(list(scores))
+        w.add_token_types([int(t) for t in types])
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
     layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -201,6 +210,30 @@ def test_gguf_groups_take_the_int8_activation_kernel_with_the_references_tokens(
     finally:
         monkeypatch.delenv("KVLEDGER_NATIVE")
         native.library.cache_clear()
+
+
+def test_the_tokenizer_comes_from_the_files_metadata_as_llamacpp_reads_it(stories_path, gguf_cache):
+    """A file with its tokenizer in the metadata (as llama.cpp's converter writes stories260k's)
+    runs without a tokenizer folder: its token ids are the original tokenizer's, text beginning
+    with spaces too (llama.cpp puts a space before the text; transformers' own conversion does not
+    when the text starts with one), and so are the engine's outputs."""
+    from transformers import AutoTokenizer
+
+    from kvledger import LLM, SamplingParams
+
+    path = gguf_cache / "with_vocab.gguf"
+    write_gguf(stories_path, path, "Q8_0", vocab=True)
+    llm = LLM(str(path), calibrate_preemption=False)
+    mine, theirs = llm.get_tokenizer(), AutoTokenizer.from_pretrained(str(stories_path))
+    texts = ["Once upon a time, Lily's dog ran.", "  two leading spaces", " one", "tabs\tand\nnew lines\n\n",
+             "digits 1234 and héllo wörld ☃", ""]  # fmt: skip
+    for t in texts:
+        assert mine.encode(t) == theirs.encode(t), t
+        assert mine.decode(mine.encode(t), skip_special_tokens=True) == theirs.decode(theirs.encode(t), skip_special_tokens=True)
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    got = [o.outputs[0].text for o in llm.generate(texts[:3], sp, use_tqdm=False)]
+    ref = LLM(str(path), tokenizer=str(stories_path), calibrate_preemption=False)
+    assert got == [o.outputs[0].text for o in ref.generate(texts[:3], sp, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("layer_type", ["Q4_K", "Q4_K_M"])

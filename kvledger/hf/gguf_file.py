@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvledger")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# Bumped when the folder's contents change meaning (2: vocab_size is the embedding's rows), so an
-# older kvledger's cached folder is not read as this one's.
-FOLDER_VERSION = 2
+# Bumped when the folder's contents change meaning (2: vocab_size is the embedding's rows; 3: a
+# sentencepiece tokenizer prefixes a space as llama.cpp does), so an older kvledger's cached folder
+# is not read as this one's.
+FOLDER_VERSION = 3
 KEPT = ("Q8_0", "Q4_0")  # layer projections held in these formats as they are
 # held as they are where the model multiplies int8 activations (model/quant_q4.py's tiles), else
 # dequantised; in tiles, the pieces of one fused projection may differ in type (Q4_K_M's qkv)
@@ -154,18 +155,31 @@ def gguf_folder(path: Path, tokenizer: str | None = None) -> Path:
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
     (tmp / "gguf.json").write_text(json.dumps({"file": str(path.resolve()), "size": st.st_size}))
     if not tokenizer:
-        _write_tokenizer(path, tmp)
+        _write_tokenizer(path, tmp, reader)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
 
 
-def _write_tokenizer(path: Path, out: Path) -> None:
-    """The file's own tokenizer, converted by transformers (its GGUF tokenizer support)."""
+def _write_tokenizer(path: Path, out: Path, reader=None) -> None:
+    """The file's own tokenizer, converted by transformers (its GGUF tokenizer support), with
+    llama.cpp's own rule for sentencepiece ("llama") vocabularies: a space is put before the text
+    and every space becomes "▁" (transformers' conversion uses Metaspace, which adds none before
+    text that starts with a space, so "  hi" would be one "▁" short of what llama.cpp and the
+    original Llama tokenizer give)."""
     try:
+        from tokenizers import normalizers
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        reader = reader or open_reader(path)
+        spm = _field(reader, "tokenizer.ggml.model") == "llama"
+        if spm and _field(reader, "tokenizer.ggml.add_space_prefix", True):
+            backend = tok.backend_tokenizer
+            backend.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+            )
+            backend.pre_tokenizer = None
         tok.save_pretrained(str(out))
     except Exception as e:
         raise ConfigError(
