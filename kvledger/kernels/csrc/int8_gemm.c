@@ -65,20 +65,37 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *x, in
 #if VW == 16
     __m512i a[4];
     for (int m = 0; m < MM; m++) a[m] = _mm512_setzero_si512();
-    for (int64_t c = 0; c < K4; c++) {
-        const __m512i w = _mm512_loadu_si512((const void *)(wt + c * 64));
 #if defined(KVL_AVX512VNNI)
+    /* Two accumulators a row, even and odd column groups (summed at the end, exactly): one chain
+     * would leave the one-row (decode) loop bound by vpdpbusd's latency, as in q4_gemm.c. */
+    __m512i b[4];
+    for (int m = 0; m < MM; m++) b[m] = _mm512_setzero_si512();
+    int64_t c = 0;
+    for (; c + 1 < K4; c += 2) {
+        const __m512i w0 = _mm512_loadu_si512((const void *)(wt + c * 64));
+        const __m512i w1 = _mm512_loadu_si512((const void *)(wt + c * 64 + 64));
+        for (int m = 0; m < MM; m++) {
+            a[m] = _mm512_dpbusd_epi32(a[m], _mm512_set1_epi32(*(const int32_t *)(x + m * Kp + 4 * c)), w0);
+            b[m] = _mm512_dpbusd_epi32(b[m], _mm512_set1_epi32(*(const int32_t *)(x + m * Kp + 4 * c + 4)), w1);
+        }
+    }
+    for (; c < K4; c++) {
+        const __m512i w = _mm512_loadu_si512((const void *)(wt + c * 64));
         for (int m = 0; m < MM; m++)
             a[m] = _mm512_dpbusd_epi32(a[m], _mm512_set1_epi32(*(const int32_t *)(x + m * Kp + 4 * c)), w);
+    }
+    for (int m = 0; m < MM; m++) a[m] = _mm512_add_epi32(a[m], b[m]);
 #else
+    for (int64_t c = 0; c < K4; c++) {
+        const __m512i w = _mm512_loadu_si512((const void *)(wt + c * 64));
         const __m512i we = _mm512_srai_epi16(_mm512_slli_epi16(w, 8), 8), wo = _mm512_srai_epi16(w, 8);
         for (int m = 0; m < MM; m++) {
             const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(x + m * Kp + 4 * c));
             const __m512i xe = _mm512_srai_epi16(_mm512_slli_epi16(xb, 8), 8), xo = _mm512_srai_epi16(xb, 8);
             a[m] = _mm512_add_epi32(a[m], _mm512_add_epi32(_mm512_madd_epi16(xe, we), _mm512_madd_epi16(xo, wo)));
         }
-#endif
     }
+#endif
     for (int m = 0; m < MM; m++) _mm512_storeu_si512((void *)out[m], a[m]);
 #else
     __m256i a[4][2];
