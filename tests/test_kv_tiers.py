@@ -390,8 +390,8 @@ def test_abort_while_loading_gives_the_blocks_back_and_the_load_never_lands(stor
     busy = eng.executor.worker.tiers.loader.submit(gate.wait, 30)
     eng.add_request(prompts[0], GREEDY, request_id="gone")
     eng.step()
-    (req, _, k) = eng.scheduler.tier_loading.requests["gone"]
-    assert k == 6 and req.status.value == "waiting_for_remote_kvs"
+    (req, _, hit) = eng.scheduler.tier_loading.requests["gone"]
+    assert len(hit.loads) == 6 and req.status.value == "waiting_for_remote_kvs"
     assert eng.kv.num_used_blocks == 6
     eng.abort_request("gone")
     assert eng.kv.num_used_blocks == 0 and not eng.scheduler.tier_loading

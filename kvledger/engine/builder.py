@@ -402,6 +402,8 @@ def _offload_spec(config: EngineConfig, facts: ModelFacts, bytes_per_block: int)
         "hash_algo": cc.prefix_caching_hash_algo, "quantization": config.quantization,
         "layers": [sp.num_layers, sp.num_kv_heads, sp.head_dim], "tp_size": config.tensor_parallel_size,
     }  # fmt: skip
+    if facts.kv_layout.is_hybrid:  # which layers a block holds depends on the KV cache groups
+        block_facts["kv_groups"] = [[list(g.layers), g.sliding_window] for g in facts.kv_layout.groups]
     fingerprint = model_fingerprint(config.model, block_facts)
     directory = None
     if cc.offload_disk_bytes:
