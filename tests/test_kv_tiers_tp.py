@@ -62,7 +62,11 @@ def test_tp2_prefix_from_host_and_from_disk_after_restart_gives_tp1_tokens(tmp_p
     tp2 = LLM(str(tmp_path / "m"), kv_offload_host_bytes="1MiB", **tiers_kw)
     toks, cached = _run(tp2, prompts * 2)
     assert toks == want * 2 and cached == [0] * 4 + [40] * 4
-    assert tp2.llm_engine.kv.tiers.hits["host"] == 40
+    tiers = tp2.llm_engine.kv.tiers
+    assert tiers.hits["host"] == 40
+    # The host budget is summed over the ranks (vLLM's kv_offloading_size): each holds its half.
+    assert tiers.spec.num_host_blocks == (1 << 20) // (2 * tiers.spec.block_bytes)
+    assert tiers.stats()["host"]["capacity_bytes"] <= 1 << 20
     tp2.llm_engine.shutdown()  # every rank's writes flushed, the index saved
 
     again = LLM(str(tmp_path / "m"), **tiers_kw)

@@ -31,7 +31,7 @@ class KVTiers:
     def __init__(self, spec: OffloadSpec, block_size: int) -> None:
         self.spec = spec
         self.block_size = block_size
-        self.block_bytes = spec.block_bytes
+        self.block_bytes = spec.block_bytes * spec.num_ranks  # every rank's share
         self.host: OrderedDict[int, tuple[int, TierBlock]] = OrderedDict()  # hash -> (slot, block)
         self.free_slots = list(range(spec.num_host_blocks - 1, -1, -1))
         self.disk: OrderedDict[int, TierBlock] = OrderedDict()
