@@ -51,16 +51,21 @@ class TierHit:
 def group_sources(
     group: KVCacheGroup, tiers: KVTiers, token_ids: list[int], salt: str | None, num_blocks: int
 ) -> list[Source]:
-    """Where each of the prompt's first ``num_blocks`` blocks is, for this group, verified."""
+    """Where each of the prompt's first ``num_blocks`` blocks is, for this group, verified. A
+    full-attention group stops at its first miss (no longer hit can use what follows)."""
     pool = group.pool
     out: list[Source] = []
     parent = group.hash_root
+    closed = group.policy.prefix_closed
     for h, tokens, block_salt in group.chain(token_ids, salt, 0, num_blocks, group.hash_root):
         b = pool.lookup(h, tokens, None, block_salt, check_parent=False)
         if b is not None and pool.blocks[b].parent_hash == parent:
             out.append(b)
         else:
-            out.append(tiers.find(h, parent, tokens, block_salt))
+            src = tiers.find(h, parent, tokens, block_salt)
+            if src is None and closed:
+                break
+            out.append(src)
         parent = h
     return out
 
@@ -76,9 +81,14 @@ def find_tier_hit(
 ) -> TierHit | None:  # fmt: skip
     """The longest hit over ``device_blocks`` (what the device alone serves) that every group
     can serve with the tiers' help, or None when the tiers add nothing."""
-    if max_blocks <= device_blocks:
-        return None
-    sources = [group_sources(g, tiers, token_ids, salt, max_blocks) for g in groups]
+    sources: list[list[Source]] = []
+    for g in groups:  # full-attention groups first (the layout's order): they bound the rest
+        if max_blocks <= device_blocks:
+            return None
+        src = group_sources(g, tiers, token_ids, salt, max_blocks)
+        if g.policy.prefix_closed:
+            max_blocks = len(src)
+        sources.append(src)
     for n in range(max_blocks, device_blocks, -1):
         if all(_servable(g, s, n) for g, s in zip(groups, sources)):
             break
