@@ -6,8 +6,9 @@ takes its device hit and fresh blocks for the tier blocks, and waits here while 
 loader fills them; other requests keep stepping. When the worker reports the load, the request
 runs with those tokens computed. A block that failed to load is recomputed with all after it:
 the hit is cut to the longest length every KV cache group still serves (a sliding group may
-need blocks it released; then the request starts over, its blocks given back). A request aborted while loading gives its blocks back at once: its id goes to the
-worker with the finished ids, which drops the load before it touches the pool.
+need blocks it released; then the request starts over, its blocks given back). A request
+aborted while loading gives its blocks back at once: its id goes to the worker with the
+finished ids, which drops the load before it touches the pool.
 """
 
 from __future__ import annotations
