@@ -196,7 +196,7 @@ class LLMEngine:
     def make_output(self, group: RequestGroup) -> RequestOutput:
         return self.outputs.make_output(group)
 
-    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+    def reset_prefix_cache(self, *, reset_connector: bool = False) -> bool:
         """Forget every cached prefix block (vLLM's name): the device pool's and the host tier's
         (on a CPU server the host tier is more of the same memory, and vLLM's reset clears its
         CPU offload cache too). The disk tier is kept (it is what survives restarts) unless
