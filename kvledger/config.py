@@ -263,11 +263,6 @@ class EngineConfig:
             _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         self.scheduler.validate()
         self.cache.validate()
-        if self.cache.kv_offload_enabled and self.tensor_parallel_size > 1:
-            raise ConfigError(
-                "kv offloading with tensor_parallel_size > 1 is not supported yet: each rank "
-                "would report its own loads and the engine waits for rank 0's only"
-            )
 
 
 DEFAULT_OFFLOAD_DISK_BYTES = 16 << 30  # the disk tier's budget when only kv_offload_dir is given

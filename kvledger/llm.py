@@ -60,9 +60,11 @@ class LLM:
         they apply when no sampling_params are passed; generation_config="vllm" drops them)."""
         return SamplingParams(**self.llm_engine.default_sampling_params)
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached prefix block; False (with a warning) while requests hold blocks."""
-        return self.llm_engine.reset_prefix_cache()
+    def reset_prefix_cache(self, *, reset_connector: bool = False) -> bool:
+        """Drop every cached prefix block, on the device and in the host tier (and with
+        ``reset_connector`` the disk tier's files); False (with a warning) while requests hold
+        blocks."""
+        return self.llm_engine.reset_prefix_cache(reset_connector=reset_connector)
 
     def generate(
         self,

@@ -390,8 +390,8 @@ def test_abort_while_loading_gives_the_blocks_back_and_the_load_never_lands(stor
     busy = eng.executor.worker.tiers.loader.submit(gate.wait, 30)
     eng.add_request(prompts[0], GREEDY, request_id="gone")
     eng.step()
-    (req, _, k) = eng.scheduler.tier_loading.requests["gone"]
-    assert k == 6 and req.status.value == "waiting_for_remote_kvs"
+    (req, _, hit) = eng.scheduler.tier_loading.requests["gone"]
+    assert len(hit.loads) == 6 and req.status.value == "waiting_for_remote_kvs"
     assert eng.kv.num_used_blocks == 6
     eng.abort_request("gone")
     assert eng.kv.num_used_blocks == 0 and not eng.scheduler.tier_loading
@@ -480,3 +480,33 @@ def test_int8_kv_sinks_come_back_with_a_host_tier_hit(tmp_path_factory):
     toks, cached = _run(llm, prompts)
     assert cached == [FULL] * 3 and overlay.sink_cache_misses == 0
     assert toks == base
+
+
+def test_reset_prefix_cache_clears_the_host_tier_and_with_reset_connector_the_disk(
+    stories_path, baseline, tmp_path
+):
+    """reset_prefix_cache() forgets the device's and the host tier's blocks (vLLM's reset clears
+    its CPU offload cache too); the disk tier serves the next pass. reset_connector=True also
+    deletes the disk tier's files and index: the pass after it is recomputed."""
+    prompts = _prompts()
+    llm = _llm(stories_path, kv_offload_dir=str(tmp_path), kv_offload_host_bytes="1MiB")
+    _run(llm, prompts)
+    tiers = llm.engine.kv.tiers
+    directory = tiers.spec.directory
+    _wait_files(directory, 24)
+    assert len(tiers.host) >= 24
+    assert llm.reset_prefix_cache()
+    assert not tiers.host and len(tiers.free_slots) == tiers.spec.num_host_blocks
+    toks, cached = _run(llm, prompts)
+    # The first four prompts were evicted to disk; the last two were only on the device.
+    assert toks == baseline and cached == [FULL] * 4 + [0] * 2
+    assert tiers.hits["host"] == 0 and tiers.hits["disk"] == 24
+    assert llm.reset_prefix_cache(reset_connector=True)
+    assert not tiers.host and not tiers.disk
+    deadline = time.monotonic() + 20
+    while _wait_files(directory, 0, timeout=0) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the worker's writer thread deletes them
+    assert _wait_files(directory, 0, timeout=0) == []
+    assert json.loads(Path(directory, kv_block_file.INDEX).read_text())["blocks"] == []
+    toks, cached = _run(llm, prompts)
+    assert toks == baseline and cached == [0] * 6

@@ -41,9 +41,12 @@ class BlockFileError(Exception):
 class OffloadSpec:
     """What both sides of the tiered cache agree on; plain data, sent to every worker.
 
+    ``block_bytes``: one rank's share of a block (its KV heads: a file's payload).
     ``directory``: this model's folder under ``--kv-offload-dir`` (None: no disk tier).
     ``facts``: what every header carries and every reader checks (dtype, KV dtype, block size,
-    hash algorithm, the pool's per-block tensor layout)."""
+    hash algorithm, the pool's per-block tensor layout). ``num_ranks``: tensor-parallel ranks,
+    each keeping its own share of every block; the byte budgets are summed over them (vLLM's
+    kv_offloading_size is too)."""
 
     fingerprint: str
     num_host_blocks: int
@@ -51,6 +54,7 @@ class OffloadSpec:
     block_bytes: int
     directory: str | None = None
     facts: dict = field(default_factory=dict)
+    num_ranks: int = 1
 
 
 def model_fingerprint(model_dir: str, facts: dict) -> str:

@@ -26,6 +26,7 @@ from kvledger.cache.block_pool import BlockPool
 from kvledger.cache.kv_cache_group import KVCacheGroup, RequestTables
 from kvledger.cache.kv_tiers import KVTiers
 from kvledger.cache.table_delta import TableDeltas
+from kvledger.cache.tier_hit import TierHit, find_tier_hit
 from kvledger.errors import CacheError, ConfigError, OutOfBlocksError
 from kvledger.ledger.snapshot import LedgerSnapshot, RequestBlocks, block_fill
 
@@ -181,28 +182,35 @@ class KVCacheManager:
         return [h[:n] for h in hits], n * self.block_size
 
     def attach_tiers(self, tiers: KVTiers) -> None:
-        """Keep evicted prefix blocks in host memory / on disk (kvledger.cache.kv_tiers)."""
-        if self.windowed or not self.enable_prefix_caching:
-            raise ConfigError(
-                "kv offloading needs prefix caching and one full-attention KV cache group: a "
-                "sliding-window or hybrid model's hits are not prefix-closed (not supported yet)"
-            )
+        """Keep evicted prefix blocks in host memory / on disk (kvledger.cache.kv_tiers). Every
+        group's blocks go there under their own group's hash chain (kvledger.cache.tier_hit)."""
+        if not self.enable_prefix_caching:
+            raise ConfigError("kv offloading keeps prefix-cache blocks: it needs prefix caching on")
         self.tiers = tiers
         self.pool.evicted = []
 
-    def tier_hits(self, token_ids: list[int], salt: str | None, num_cached: int) -> list:
-        """The lower tiers' verified blocks right after a device hit of ``num_cached`` tokens,
-        leaving at least one prompt token to compute: [(host slot or -1, TierBlock)]."""
-        bs = self.block_size
-        n, start = (len(token_ids) - 1) // bs, num_cached // bs
-        if self.tiers is None or self.tiers.empty or start >= n:
-            return []
-        g = self.groups[0]
-        chain = g.chain(token_ids, salt, 0, n, g.hash_root)
-        parent = g.hash_root
-        for _ in range(start):
-            parent = next(chain)[0]
-        return self.tiers.lookup(chain, parent)
+    def tier_hit(self, token_ids: list[int], salt: str | None, num_cached: int) -> TierHit | None:
+        """A longer hit than the device's ``num_cached`` tokens with the lower tiers' blocks,
+        valid in every group, leaving at least one prompt token to compute; None: none."""
+        if self.tiers is None or self.tiers.empty:
+            return None
+        n = (len(token_ids) - 1) // self.block_size
+        return find_tier_hit(self.groups, self.tiers, token_ids, salt, num_cached // self.block_size, n)
+
+    def allocate_tier_hit(self, request_id: str, hit: TierHit, salt: str | None) -> list[int] | None:
+        """Tables for a new request from ``hit``: device blocks by reference, a fresh block for
+        each load (returned in ``hit.loads``' order); None if they do not fit (nothing changes)."""
+        if request_id in self.requests:
+            raise CacheError(f"request {request_id!r} already has blocks")
+        if hit.revived(self.pool) + len(hit.loads) > self.num_free_blocks:
+            return None
+        # Hits are taken before the fresh blocks are allocated (they may sit in the free queue).
+        tables = [g.take_hit(request_id, t) for g, t in zip(self.groups, hit.tables)]
+        fresh = self.pool.allocate(len(hit.loads))
+        for (gi, i, _), b in zip(hit.loads, fresh):
+            tables[gi].block_table[i] = b
+        self.requests[request_id] = RequestTables(request_id, tables, hit.num_blocks * self.block_size, salt)
+        return fresh
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Once per request, at its first admission; the tiers count what the device missed."""

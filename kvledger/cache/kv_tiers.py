@@ -31,7 +31,7 @@ class KVTiers:
     def __init__(self, spec: OffloadSpec, block_size: int) -> None:
         self.spec = spec
         self.block_size = block_size
-        self.block_bytes = spec.block_bytes
+        self.block_bytes = spec.block_bytes * spec.num_ranks  # every rank's share
         self.host: OrderedDict[int, tuple[int, TierBlock]] = OrderedDict()  # hash -> (slot, block)
         self.free_slots = list(range(spec.num_host_blocks - 1, -1, -1))
         self.disk: OrderedDict[int, TierBlock] = OrderedDict()
@@ -71,19 +71,27 @@ class KVTiers:
     def empty(self) -> bool:
         return not self.host and not self.disk
 
+    def find(
+        self, block_hash: int, parent_hash: int | None, tokens: tuple[int, ...], salt: str | None
+    ) -> tuple[int, TierBlock] | None:
+        """(host slot or -1 for disk, block) for one block, verified (tokens, salt, parent hash);
+        None: in no tier (or only as a disk write not yet confirmed)."""
+        entry = self.host.get(block_hash)
+        if entry is not None and _same(entry[1], parent_hash, tokens, salt):
+            return entry
+        blk = self.disk.get(block_hash)
+        if blk is None or block_hash in self.disk_pending or not _same(blk, parent_hash, tokens, salt):
+            return None
+        return -1, blk
+
     def lookup(self, prompt: PromptBlocks, parent_hash: int | None) -> list[tuple[int, TierBlock]]:
-        """(host slot or -1 for disk, block) for the prompt's blocks that follow ``parent_hash``
-        in the tiers, each verified (tokens, salt, parent) after the previous one."""
+        """``find`` for the prompt's blocks that follow ``parent_hash``, up to the first miss."""
         hits: list[tuple[int, TierBlock]] = []
         for h, tokens, salt in prompt:
-            entry = self.host.get(h)
-            if entry is not None and _same(entry[1], parent_hash, tokens, salt):
-                hits.append(entry)
-            else:
-                blk = self.disk.get(h)
-                if blk is None or h in self.disk_pending or not _same(blk, parent_hash, tokens, salt):
-                    break
-                hits.append((-1, blk))
+            hit = self.find(h, parent_hash, tokens, salt)
+            if hit is None:
+                break
+            hits.append(hit)
             parent_hash = h
         return hits
 
@@ -162,6 +170,25 @@ class KVTiers:
             self.pins[h] -= 1
             if not self.pins[h]:
                 del self.pins[h]
+
+    def reset(self, disk: bool = False) -> tuple[int, int]:
+        """Forget the host tier (``reset_prefix_cache``), and with ``disk`` the disk tier too
+        (its files are deleted by the worker with the next ops). Only while no load is in flight
+        (the engine resets when idle). Returns the (host, disk) blocks dropped."""
+        host = [blk for _, blk in self.host.values()]
+        self.host.clear()
+        self.free_slots = list(range(self.spec.num_host_blocks - 1, -1, -1))
+        dropped = list(self.disk.values()) if disk else []
+        if disk:
+            self.deletes += list(self.disk)
+            self.disk.clear()
+            self.disk_pending.clear()  # a write in flight lands before its delete (one writer)
+        for blk in host:
+            if blk.block_hash not in self.disk:
+                self._event(BlockRemoved, blk, "CPU")
+        for blk in dropped:
+            self._event(BlockRemoved, blk, "DISK")
+        return len(host), len(dropped)
 
     def take_ops(self) -> tuple[list[TierStore], list[TierLoad], list[int]]:
         ops = self.stores, self.loads, self.deletes

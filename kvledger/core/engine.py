@@ -196,9 +196,13 @@ class LLMEngine:
     def make_output(self, group: RequestGroup) -> RequestOutput:
         return self.outputs.make_output(group)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix block (vLLM's name). Refused (False, with a warning
-        saying why) while requests hold blocks: their blocks may be shared prefixes."""
+    def reset_prefix_cache(self, *, reset_connector: bool = False) -> bool:
+        """Forget every cached prefix block (vLLM's name): the device pool's and the host tier's
+        (on a CPU server the host tier is more of the same memory, and vLLM's reset clears its
+        CPU offload cache too). The disk tier is kept (it is what survives restarts) unless
+        ``reset_connector`` (vLLM's flag for the connector's cache): then this model's block
+        files and index are deleted. Refused (False, with a warning saying why) while requests
+        hold blocks: their blocks may be shared prefixes."""
         if self.has_unfinished_requests() or self.kv.num_used_blocks:
             logger.warning(
                 "reset_prefix_cache refused: %d unfinished request(s) hold %d KV blocks; "
@@ -208,7 +212,21 @@ class LLMEngine:
             )
             return False
         dropped = self.kv.pool.reset_prefix_cache()
-        logger.info("prefix cache reset: %d cached blocks dropped", dropped)
+        tiers = self.kv.tiers
+        if tiers is None:
+            logger.info("prefix cache reset: %d cached blocks dropped", dropped)
+        else:
+            host, disk = tiers.reset(disk=reset_connector)
+            logger.info("prefix cache reset: %d cached blocks dropped, %d from the host tier, %d "
+                        "from the disk tier%s", dropped, host, disk,
+                        "" if reset_connector else " (kept: reset_connector=True deletes them)")  # fmt: skip
+            if disk:  # the files go now, and the index with them
+                stores, _, deletes = tiers.take_ops()
+                so = SchedulerOutput(step=self.scheduler.step, kv_stores=stores, kv_deletes=deletes)
+                ro = self.executor.execute_model(so)
+                if ro.kv_tiers is not None:
+                    tiers.on_report(ro.kv_tiers)
+                tiers.save_index()
         self._publish_kv_events()
         return True
 

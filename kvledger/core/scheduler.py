@@ -292,7 +292,7 @@ class Scheduler:
                 full = self.kv.blocks_needed(req.request_id, req.num_tokens - num_cached, computed)
                 reserve = max(reserve, full - need + self._readmit_headroom())
             if reuse and self.kv.tiers is not None and self.tier_loading.try_start(
-                self, req, computed, num_cached, salt, reserve
+                self, req, num_cached, salt, reserve
             ):
                 self.waiting.popleft()
                 out.admitted.append(req.request_id)

@@ -402,6 +402,8 @@ def _offload_spec(config: EngineConfig, facts: ModelFacts, bytes_per_block: int)
         "hash_algo": cc.prefix_caching_hash_algo, "quantization": config.quantization,
         "layers": [sp.num_layers, sp.num_kv_heads, sp.head_dim], "tp_size": config.tensor_parallel_size,
     }  # fmt: skip
+    if facts.kv_layout.is_hybrid:  # which layers a block holds depends on the KV cache groups
+        block_facts["kv_groups"] = [[list(g.layers), g.sliding_window] for g in facts.kv_layout.groups]
     fingerprint = model_fingerprint(config.model, block_facts)
     directory = None
     if cc.offload_disk_bytes:
@@ -413,12 +415,14 @@ def _offload_spec(config: EngineConfig, facts: ModelFacts, bytes_per_block: int)
             if not os.path.isdir(root):
                 raise ConfigError(f"kv_offload_dir {cc.kv_offload_dir!r} cannot be created: {e}") from None
             # It exists but cannot be written (read-only): every write fails and is reported once.
-    host = cc.offload_host_bytes_for(facts.bytes_per_token)
-    cap = tier_capacity(bytes_per_block, cc.block_size, host, cc.offload_disk_bytes)
+    # The budgets count every rank's share of a block (bytes_per_block is one rank's).
+    tp = config.tensor_parallel_size
+    host = cc.offload_host_bytes_for(facts.bytes_per_token * tp)
+    cap = tier_capacity(bytes_per_block * tp, cc.block_size, host, cc.offload_disk_bytes)
     return OffloadSpec(
         fingerprint=fingerprint, num_host_blocks=cap["host"]["blocks"],
         num_disk_blocks=cap["disk"]["blocks"], block_bytes=bytes_per_block,
-        directory=directory, facts=block_facts,
+        directory=directory, facts=block_facts, num_ranks=tp,
     )  # fmt: skip
 
 

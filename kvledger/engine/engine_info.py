@@ -129,7 +129,7 @@ ENGINE_QUERIES: dict[str, Callable[..., Any]] = {
     "dashboard_frame": _dashboard_frame,
     "series_point": _series_point,
     "load": _load,
-    "reset_prefix_cache": lambda eng: eng.reset_prefix_cache(),
+    "reset_prefix_cache": lambda eng, reset_connector=False: eng.reset_prefix_cache(reset_connector=reset_connector),
 }
 
 

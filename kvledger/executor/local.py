@@ -22,12 +22,7 @@ class LocalExecutor(Executor):
         return self.worker.stats()
 
     def flush_kv_tiers(self) -> TierReport | None:
-        tiers = self.worker.tiers
-        if tiers is None:
-            return None
-        rep = tiers.flush()
-        tiers.close()
-        return rep
+        return self.worker.flush_kv_tiers()
 
     def shutdown(self) -> None:
         pass  # the worker is this process's memory

@@ -30,10 +30,13 @@ import time
 from multiprocessing.connection import Connection, Listener, wait
 
 from kvledger import envs
+from kvledger.cache.kv_tier_messages import TierReport
+from kvledger.cache.kv_tier_ranks import RankTierReports
 from kvledger.core.sched_output import SchedulerOutput
 from kvledger.errors import ConfigError
 from kvledger.executor.base import Executor
 from kvledger.worker.messages import (
+    FlushKVTiers,
     Shutdown,
     StepResult,
     WorkerFailed,
@@ -81,6 +84,7 @@ class TPExecutor(Executor):
         self.conns: list[Connection] = []
         self.ranks: list[WorkerReady] = []
         self._stats = WorkerStats()  # rank 0's, from its last step
+        self._tier_reports = RankTierReports(world_size)  # one agreed answer from every rank's
         # Totals over steps, for the benchmark: the driver's round trip per step, and each
         # rank's compute and time inside collectives (all-reduce / all-gather).
         self.timings = {"steps": 0, "round_trip_s": 0.0, "compute_s": [0.0] * world_size,
@@ -259,7 +263,17 @@ class TPExecutor(Executor):
         out = results[0].output
         out.swap_out_seconds = max(r.output.swap_out_seconds for r in results)
         out.swap_in_seconds = max(r.output.swap_in_seconds for r in results)
+        out.kv_tiers = self._tier_reports.merge([r.output.kv_tiers for r in results], so.finished_req_ids)
         return out
+
+    def flush_kv_tiers(self) -> TierReport | None:
+        """Every rank waits for its disk writes; the writes count once every rank's is done."""
+        if self.dead is not None:
+            return None
+        for c in self.conns:
+            c.send(FlushKVTiers())
+        reports = [self._receive(r, self.step_timeout_s, "flush its KV tier writes") for r in range(self.num_ranks)]
+        return self._tier_reports.merge(reports)
 
     def stats(self) -> WorkerStats:
         return self._stats

@@ -120,3 +120,9 @@ class WorkerFailed:
 @dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class FlushKVTiers:
+    """A graceful shutdown: wait for the tiered cache's disk writes, answer with their
+    ``TierReport``, and stop its threads (the driver merges every rank's)."""

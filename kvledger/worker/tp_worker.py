@@ -23,7 +23,7 @@ import torch.distributed as dist
 from kvledger import envs
 from kvledger.core.sched_output import SchedulerOutput
 from kvledger.distributed import parallel_state
-from kvledger.worker.messages import Shutdown, StepResult, WorkerFailed, WorkerSpec
+from kvledger.worker.messages import FlushKVTiers, Shutdown, StepResult, WorkerFailed, WorkerSpec
 from kvledger.worker.worker import Worker
 
 
@@ -85,6 +85,9 @@ def run_worker(driver: tuple[str, int], authkey: bytes, num_threads: int | None 
             return 0  # the driver is gone: nothing to serve
         if isinstance(msg, Shutdown):
             break
+        if isinstance(msg, FlushKVTiers):
+            conn.send(worker.flush_kv_tiers())
+            continue
         try:
             conn.send(execute_step(worker, msg))
         except BaseException as e:  # noqa: BLE001

@@ -11,6 +11,7 @@ import socket
 
 import torch
 
+from kvledger.cache.kv_tier_messages import TierReport
 from kvledger.core.sched_output import SchedulerOutput
 from kvledger.model.gemm_calibration import model_dispatch
 from kvledger.model.layers import can_pack_linear, warm_up_gemm_shapes
@@ -163,6 +164,15 @@ class Worker:
         """One step; tensor-parallel ranks other than 0 compute and keep state but sample
         nothing (rank 0's tokens are the engine's)."""
         return self.runner.execute(so, sample=self.rank == 0)
+
+    def flush_kv_tiers(self) -> TierReport | None:
+        """Wait for the tiered cache's disk writes and stop its threads (a graceful shutdown):
+        their report, or None without tiers."""
+        if self.tiers is None:
+            return None
+        rep = self.tiers.flush()
+        self.tiers.close()
+        return rep
 
     def stats(self) -> WorkerStats:
         pool, ov = self.kv_pool, self.runner.overlay
