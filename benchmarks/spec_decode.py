@@ -142,17 +142,17 @@ def missing_drafts(on, reference: dict[tuple[int, ...], list[int]]) -> None:
     vocab = on.llm_engine.vocab_size
 
     class Missing(Speculator):
-        def propose(self, req: Any, max_drafts: int) -> list[int]:
-            k = min(self.k, max_drafts)
+        def propose(self, req: Any, max_drafts: int, max_depth: int | None = None) -> tuple[list[int], None]:
+            k = min(self.k, max_drafts, max_drafts if max_depth is None else max_depth)
             if k <= 0 or not can_speculate(req):
-                return []
+                return [], None
             if req.spec_state is None:
                 req.spec_state = _state(self)
             if req.spec_state.gate is not None and not req.spec_state.gate.allow():
-                return []
+                return [], None
             ref = reference[tuple(req.prompt_token_ids)]
             nxt = ref[req.num_output_tokens : req.num_output_tokens + k]
-            return [(t + 1) % vocab for t in nxt]
+            return [(t + 1) % vocab for t in nxt], None
 
     miss = Missing(spec.config)
     on.llm_engine.scheduler.speculator = miss
@@ -214,6 +214,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-adaptive", action="store_true", help="turn the adaptive gate off")
+    ap.add_argument("--tree-nodes", type=int, default=None,
+                    help="speculative_config.tree_nodes (method suffix: drafts over a token tree)")
     ap.add_argument("--cpu-time", action="store_true", help="time by this process's CPU seconds")
     a = ap.parse_args()
     global CPU_TIME, MODEL
@@ -225,6 +227,8 @@ def main() -> None:
     }
     if a.method == "ngram":
         spec.update(prompt_lookup_min=a.min, prompt_lookup_max=a.max)
+    if a.tree_nodes is not None:
+        spec.update(tree_nodes=a.tree_nodes)
     sets: tuple[tuple[str, list], ...] = (("tuned", TUNED), ("held-out", HELD_OUT))
     max_tokens = a.max_tokens
     if a.workload == "copy":
