@@ -63,7 +63,9 @@ class Speculator:
         """vLLM's ``disable_by_batch_size``: a large batch is compute-bound, drafts don't pay."""
         return num_running <= self.config.disable_by_batch_size
 
-    def propose(self, req: Any, max_drafts: int, max_depth: int | None = None) -> tuple[list[int], list[int] | None]:
+    def propose(
+        self, req: Any, max_drafts: int, max_depth: int | None = None
+    ) -> tuple[list[int], list[int] | None]:
         """Draft tokens for a decoding request, at most ``max_drafts`` of them and none more
         than ``max_depth`` past the last accepted token (default: ``max_drafts``); ([], None) to
         decode plainly. With the drafts, each one's parent when they form a token tree
@@ -84,7 +86,9 @@ class Speculator:
             return [DRAFT_PLACEHOLDER] * k, None
         if self.tree_nodes > 1 and req.grammar is None and max_drafts > 1:
             # (A grammar's mask rows are built along one chain of drafts: structured/manager.py.)
-            drafts, parents = st.index.propose_tree(req.all_token_ids, min(self.tree_nodes, max_drafts), k)
+            drafts, parents = st.index.propose_tree(
+                req.all_token_ids, min(self.tree_nodes, max_drafts), k
+            )
             return drafts, (None if is_chain(parents) else parents)
         return st.index.propose(req.all_token_ids, k), None
 

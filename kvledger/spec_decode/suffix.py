@@ -99,7 +99,9 @@ class SuffixIndex:
             ctx.append(nxt)
         return out
 
-    def propose_tree(self, tokens: list[int], max_nodes: int, max_depth: int) -> tuple[list[int], list[int]]:
+    def propose_tree(
+        self, tokens: list[int], max_nodes: int, max_depth: int
+    ) -> tuple[list[int], list[int]]:
         """A token tree (kvledger.spec_decode.tree): up to ``max_nodes`` nodes of depth at most
         ``max_depth``, grown best first by the probability of their path (the product of each
         step's follower share), in preorder with the likelier child first, so that the chain
@@ -145,7 +147,9 @@ class SuffixIndex:
                 seq += 1
         return _preorder(toks, pars, probs)
 
-    def _followers(self, ctx: list[int], longest: int | None = None) -> tuple[list[tuple[int, float]], int]:
+    def _followers(
+        self, ctx: list[int], longest: int | None = None
+    ) -> tuple[list[tuple[int, float]], int]:
         """The followers of the longest tail n-gram (n <= ``longest``) seen anywhere with their
         share of its followers, likeliest first, those below min_token_prob left out; and n."""
         shared = self.shared.counts

@@ -20,7 +20,8 @@ canonical slots in the same step (``moves``), before the scheduler trims the res
 
 from __future__ import annotations
 
-MAX_TREE_ROWS = 64  # the root and its nodes: one 64-bit ancestor mask per row (csrc/paged_prefill.c)
+# The root and its nodes: one 64-bit ancestor mask per row (csrc/paged_prefill.c).
+MAX_TREE_ROWS = 64
 
 
 def depths(parents: list[int]) -> list[int]:

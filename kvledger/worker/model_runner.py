@@ -118,6 +118,7 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.graphs = graphs
         self.drafter = drafter
+        self.num_tree_moves = 0  # token trees: K/V rows moved for paths off the chain (tests read it)
         self.tiers = tiers  # storage.kv_tiers.TierWorker: moves blocks to / from lower tiers
         self._forks: list[tuple[str, str]] = []  # n > 1 (parent, child) forked this step
         self.pooler = PoolingAccumulator()  # pooling requests' partial pools across chunks
@@ -356,6 +357,7 @@ class ModelRunner:
                 dst.append(root + 1 + i)
         if not src:
             return
+        self.num_tree_moves += len(src)
         src_t = slots[torch.tensor(src, dtype=torch.long)]
         dst_t = slots[torch.tensor(dst, dtype=torch.long)]
         data = self.kv_pool.data  # [layers, 2, blocks, block_size, kv heads, head dim]
