@@ -113,8 +113,13 @@ def plain(stories_path):
     return LLM(str(stories_path), calibrate_preemption=False)
 
 
-def test_tree_greedy_outputs_are_identical_and_leave_the_chain(stories_path, plain):
-    llm = LLM(str(stories_path), calibrate_preemption=False, speculative_config=TREE)
+@pytest.fixture(scope="module")
+def spec_tree(stories_path):
+    return LLM(str(stories_path), calibrate_preemption=False, speculative_config=TREE)
+
+
+def test_tree_greedy_outputs_are_identical_and_leave_the_chain(spec_tree, plain):
+    llm = spec_tree
     sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     ref = outputs(plain, PROMPTS, sp)
     assert [outputs(llm, [p], sp)[0] for p in PROMPTS] == ref
@@ -123,6 +128,45 @@ def test_tree_greedy_outputs_are_identical_and_leave_the_chain(stories_path, pla
     assert runner.num_tree_moves > 0, "no accepted path left the chain: the test proves nothing"
     s = llm.llm_engine.scheduler.speculator.stats
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 7, 13])
+def test_tree_max_tokens_stop_strings_logprobs_n(spec_tree, plain, max_tokens):
+    """A path is cut at max_tokens and at a stop string as one-by-one decoding would be; the
+    accepted tokens' logprobs are their rows' (the node's parent's); n > 1 children too."""
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    a = spec_tree.generate(PROMPTS[1:3], sp, use_tqdm=False)
+    b = plain.generate(PROMPTS[1:3], sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        x, y = x.outputs[0], y.outputs[0]
+        assert x.token_ids == y.token_ids and len(x.token_ids) == max_tokens
+        assert [list(d) for d in x.logprobs] == [list(d) for d in y.logprobs]
+        for dx, dy in zip(x.logprobs, y.logprobs):
+            assert [dx[t].logprob for t in dx] == pytest.approx(
+                [dy[t].logprob for t in dy], abs=1e-4
+            )
+    ref = plain.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+    text = ref[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    sp = SamplingParams(temperature=0, max_tokens=60, stop=[stop], n=2)
+    a = spec_tree.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs
+    b = plain.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs
+    assert [(o.token_ids, o.text, o.stop_reason) for o in a] == [
+        (o.token_ids, o.text, o.stop_reason) for o in b
+    ]
+
+
+def test_tree_seeded_random_sampling_is_reproducible(stories_path):
+    """Two engines from the same state give a seeded request the same tokens (one engine run
+    twice would not: its second run drafts from the first's outputs in the shared cache, so
+    the rows sampled, and the generator's draws, differ: suffix decoding's, chain or tree)."""
+    sp = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=60, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(stories_path), calibrate_preemption=False, speculative_config=TREE)
+        runs.append(outputs(llm, PROMPTS[:2], sp))
+        assert llm.llm_engine.scheduler.speculator.stats.num_accepted_tokens > 0
+    assert runs[0] == runs[1] and all(len(o[0]) == 60 for o in runs[0])
 
 
 def test_tree_nodes_slots_released_in_their_step(stories_path):
