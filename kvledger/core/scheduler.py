@@ -19,7 +19,6 @@ from kvledger.core.kv_loading import TierLoading
 from kvledger.core.preemption import PreemptionCostModel, select_victim
 from kvledger.core.request import Request, RequestStatus, check_stop
 from kvledger.core.sched_output import NewRequestData, SchedulerOutput
-from kvledger.spec_decode.rejection import num_accepted
 from kvledger.spec_decode.speculator import Speculator
 
 
@@ -201,16 +200,13 @@ class Scheduler:
                 if self.rope_long_from is not None and not req.rope_long:
                     # LongRoPE: no verification row at or past the switch (its factors change)
                     room = min(room, self.rope_long_from - req.num_computed_tokens)
-                # A tree's nodes take slots (budget, room); only a path's length counts against
-                # max_tokens.
                 drafts, parents = spec.propose(req, min(budget, room) - 1, req.remaining_tokens - 1)
                 n += len(drafts)
             plan.append((req, n))
             items.append((req.request_id, n))
             budget -= n
-            if drafts:
-                req.spec_token_ids = drafts
-                req.spec_parents = parents
+            if drafts:  # (a token tree's parents too: kvledger.spec_decode.tree)
+                req.spec_token_ids, req.spec_parents = drafts, parents
         for req in ended:
             self.finish_request(req, "length")
             out.ended.append(req.request_id)
@@ -460,8 +456,7 @@ class Scheduler:
         tokens return to the pool), and full blocks of accepted tokens are published (never
         a block holding an unverified token: publishing stops at num_computed_tokens)."""
         drafts = req.spec_token_ids
-        # A tree's accepted path is what the runner says; a chain's is a prefix of its drafts.
-        a = len(accepted) if req.spec_parents else num_accepted(drafts, accepted)
+        a = len(accepted)  # the runner's: a chain's agreeing prefix, or a tree's path
         rejected = len(drafts) - a
         stats = self.speculator.stats
         if rejected:
