@@ -15,7 +15,8 @@
 
 Threads: ``--threads`` (default 1; on a shared 2-core VM, 2 spin-waiting OpenMP threads swing
 timings by tens of percent). Results: ``bench_out/spec_decode/result.json``. ``--method suffix``: suffix decoding, whose
-shared cache holds the prompts run before (never an earlier run of the same prompt).
+shared cache holds the prompts run before (never an earlier run of the same prompt); it verifies
+a token tree of ``--tree-nodes`` nodes (speculative_config.tree_nodes, default 8; 0: one chain).
 ``--method draft_model --draft PATH [--draft-quantization int8]``: a draft model
 (kvledger/worker/drafter.py); ``--draft self`` is the served model itself.
 
