@@ -199,3 +199,23 @@ def test_engines_that_cannot_verify_trees_draft_chains(stories_path, plain):
     b = LLM(str(stories_path), calibrate_preemption=False, kv_cache_dtype="int8")
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     assert outputs(llm, PROMPTS[:3], sp) == outputs(b, PROMPTS[:3], sp)
+
+
+def test_grammar_requests_draft_chains(spec_tree, plain):
+    """A grammar's mask rows follow one chain of drafts: a constrained request gets no tree,
+    and its tokens are the plain engine's."""
+    from kvledger.sampling_params import StructuredOutputsParams
+
+    words = r"( ?(Tom|the|dog|park|and|went|to|The|big|red)){6,40}\."
+    so = StructuredOutputsParams(regex=words + r"( Tom and his dog went to the park\.){1,4}")
+    sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
+    trees = []
+    eng = spec_tree.llm_engine
+    eng.schedule_observers.append(lambda s: trees.extend(s.spec_tree_parents))
+    try:
+        a = spec_tree.generate(PROMPTS[1:3], sp, use_tqdm=False)
+    finally:
+        eng.schedule_observers.pop()
+    b = plain.generate(PROMPTS[1:3], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert not trees
