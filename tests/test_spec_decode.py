@@ -182,8 +182,14 @@ def test_prefix_cache_hits_on_blocks_of_accepted_drafts(spec, plain):
     assert spec.ledger().prefix_cache_hits - hits >= sum(len(p) // 16 - 1 for p in again) * 16
 
 
+# A token tree of suffix decoding (tests/test_spec_tree.py), whose accepted paths off its first
+# branch have their K/V moved in the step.
+TREE = {"method": "suffix", "num_speculative_tokens": 6, "tree_nodes": 12}
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_mid_speculation(stories_path, mode):
+@pytest.mark.parametrize("config", [SPEC, TREE], ids=["ngram", "suffix-tree"])
+def test_preemption_mid_speculation(stories_path, mode, config):
     rng = random.Random(0)
     prompts = [rng.choice(PROMPTS) for _ in range(24)]
     params = [
@@ -191,11 +197,13 @@ def test_preemption_mid_speculation(stories_path, mode):
         for _ in prompts
     ]
     opts = dict(num_kv_blocks=24, block_size=8, preemption_mode=mode, calibrate_preemption=False)
-    a = LLM(str(stories_path), speculative_config=SPEC, **opts)
+    a = LLM(str(stories_path), speculative_config=config, **opts)
     ref = outputs(LLM(str(stories_path), calibrate_preemption=False), prompts, params)
     assert outputs(a, prompts, params) == ref
     assert a.ledger().preemptions[mode] > 0, "the pool was meant to force preemption"
     assert_exercised(a)
+    if config is TREE:
+        assert a.llm_engine.executor.worker.runner.num_tree_moves > 0
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])

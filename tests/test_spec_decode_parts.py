@@ -74,6 +74,8 @@ def test_engine_config_checks_the_draft_quantization():
             {"method": "suffix", "suffix_decoding_max_tree_depth": 0},
             "suffix_decoding_max_tree_depth",
         ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "tree_nodes": 8}, "tree_nodes"),
+        ({"method": "suffix", "tree_nodes": -1}, "tree_nodes"),
         ('{"method": ', "JSON"),
     ],
 )

@@ -73,6 +73,8 @@ class Request:
     # the proposer's per-request state (kvledger.spec_decode.speculator.SpecState), and how many
     # tokens the last update appended (1, or accepted drafts + 1).
     spec_token_ids: list[int] = field(default_factory=list)
+    # A token tree's parent of each draft (kvledger.spec_decode.tree); None: the drafts are a chain.
+    spec_parents: list[int] | None = None
     spec_state: object | None = None
     num_new_tokens: int = 0
     all_token_ids: list[int] = field(init=False)

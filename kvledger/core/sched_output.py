@@ -62,6 +62,8 @@ class SchedulerOutput:
     # Speculative decoding: each speculating request's draft tokens. Its scheduled tokens are
     # 1 + len(drafts): the last accepted token and the drafts, verified in one forward.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Those whose drafts are a token tree: each draft's parent (kvledger.spec_decode.tree).
+    spec_tree_parents: dict[str, list[int]] = field(default_factory=dict)
     # The scheduler's decisions, for the engine and the simulator (ids only).
     preempted: list[tuple[str, str]] = field(default_factory=list)  # (request id, mode)
     admitted: list[str] = field(default_factory=list)

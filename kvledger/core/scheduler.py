@@ -19,7 +19,6 @@ from kvledger.core.kv_loading import TierLoading
 from kvledger.core.preemption import PreemptionCostModel, select_victim
 from kvledger.core.request import Request, RequestStatus, check_stop
 from kvledger.core.sched_output import NewRequestData, SchedulerOutput
-from kvledger.spec_decode.rejection import num_accepted
 from kvledger.spec_decode.speculator import Speculator
 
 
@@ -201,13 +200,13 @@ class Scheduler:
                 if self.rope_long_from is not None and not req.rope_long:
                     # LongRoPE: no verification row at or past the switch (its factors change)
                     room = min(room, self.rope_long_from - req.num_computed_tokens)
-                drafts = spec.propose(req, min(budget, req.remaining_tokens, room) - 1)
+                drafts, parents = spec.propose(req, min(budget, room) - 1, req.remaining_tokens - 1)
                 n += len(drafts)
             plan.append((req, n))
             items.append((req.request_id, n))
             budget -= n
-            if drafts:
-                req.spec_token_ids = drafts
+            if drafts:  # (a token tree's parents too: kvledger.spec_decode.tree)
+                req.spec_token_ids, req.spec_parents = drafts, parents
         for req in ended:
             self.finish_request(req, "length")
             out.ended.append(req.request_id)
@@ -339,7 +338,7 @@ class Scheduler:
             k = len(r.spec_token_ids)
             if k:
                 plan[i], items[i] = (r, n - k), (r.request_id, n - k)
-                r.spec_token_ids = []
+                r.spec_token_ids, r.spec_parents = [], None
                 freed += k
         return freed
 
@@ -353,6 +352,7 @@ class Scheduler:
         spec = {r.request_id: r.spec_token_ids for r, _ in plan if r.spec_token_ids}
         if self.speculator is not None:
             out.spec_token_ids = spec
+            out.spec_tree_parents = {r.request_id: r.spec_parents for r, _ in plan if r.spec_parents}
             self.speculator.stats.last_step_draft_slots = sum(map(len, spec.values()))
         new_tokens = out.new_token_ids
         for (req, _), rid in zip(plan, ids):
@@ -456,7 +456,7 @@ class Scheduler:
         tokens return to the pool), and full blocks of accepted tokens are published (never
         a block holding an unverified token: publishing stops at num_computed_tokens)."""
         drafts = req.spec_token_ids
-        a = num_accepted(drafts, accepted)
+        a = len(accepted)  # the runner's: a chain's agreeing prefix, or a tree's path
         rejected = len(drafts) - a
         stats = self.speculator.stats
         if rejected:
@@ -467,7 +467,7 @@ class Scheduler:
             stats.last_step_released_blocks += freed
             stats.released_blocks += freed
         if a and self.kv.enable_prefix_caching:
-            self.kv.cache_blocks(req.request_id, req.all_token_ids + drafts[:a], req.num_computed_tokens)
+            self.kv.cache_blocks(req.request_id, req.all_token_ids + accepted[:a], req.num_computed_tokens)
         self.speculator.observe(req, len(drafts), a)
 
     def update_from_output(
@@ -513,7 +513,7 @@ class Scheduler:
     def _append_verified(self, req: Request, accepted: list[int], token: int, now: float) -> None:
         """A speculating request's accepted drafts, then the verification's own token, each
         checked for a stop as if it had been decoded alone."""
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_parents = [], None
         n = 0
         for t in [*accepted, token]:
             self._append_token(req, t, now)
@@ -559,7 +559,7 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         rid = victim.request_id
         self.running.remove(victim)
-        victim.spec_token_ids = []  # its drafts are dropped with its slots
+        victim.spec_token_ids, victim.spec_parents = [], None  # dropped with its slots
         victim.num_preemptions += 1
         mode = self.choose_mode(victim)
         if mode == "swap" and self.kv.can_swap_out(rid):

@@ -172,9 +172,29 @@ def _build(config: EngineConfig, device: torch.device, tokenizer_job: Future) ->
         executor.shutdown()
         raise
     spec_cfg = config.speculative_config
-    speculator = Speculator(spec_cfg) if spec_cfg is not None else None
+    speculator = None
+    if spec_cfg is not None:
+        speculator = Speculator(spec_cfg, trees=_verifies_trees(config, facts, loaded, device, backend))
     scheduler = Scheduler(sc, kv, cost_model, rope_long_from=spec.rope_long_from, speculator=speculator)
     return LLMEngine(config, facts, scheduler, executor, tokenizer)
+
+
+def _verifies_trees(
+    config: EngineConfig, facts: ModelFacts, loaded: LoadedModel, device: torch.device, backend: str
+) -> bool:
+    """Whether the runner can verify token trees (kvledger.spec_decode.tree): the CPU attention
+    (its native prefill kernel or SDPA take the tree's mask), a cache in the model dtype (one
+    tensor, whose rows the runner moves), full attention in every layer, one rank (the rank that
+    samples moves the accepted path's K/V)."""
+    return (
+        device.type == "cpu"
+        and backend == "torch"
+        and config.tensor_parallel_size == 1
+        and config.cache.kv_cache_dtype == "auto"
+        and not facts.kv_layout.is_hybrid
+        and all(w is None for w in facts.spec.layer_windows)
+        and not loaded.config.attn_softcap
+    )
 
 
 def _model_facts(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> ModelFacts:

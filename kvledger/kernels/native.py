@@ -450,25 +450,25 @@ def paged_prefill(
     nrows: torch.Tensor,
     out: torch.Tensor,
     scale: float,
-    kv_tokens: int = 0,
-) -> None:
+    kv_tokens: int = 0, tree: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """Causal attention of prefill chunks over an unquantised paged cache, read in place: chunk
     c's rows q[row0[c] : row0[c] + nrows[c]] end a context of seq_lens[c] tokens in blocks
     block_tables[c] (this step's K/V already written), each row attending to the tokens up to its
-    own position; a chunk's rows are computed together (csrc/paged_prefill.c).
-
-    q [T, H, D] with contiguous heads and out [T, H * D], in the model dtype, which is the
-    cache's; block_tables [C, max_blocks], seq_lens, row0 and nrows [C], int64 with contiguous
-    rows (the caller checks can_paged_decode first). ``kv_tokens``: the context tokens the rows
-    read in all (the thread rule of paged_decode; the result is the same)."""
+    own position (``tree``: int64 [T] token trees' ancestor masks, see csrc/paged_prefill.c);
+    a chunk's rows are computed together. q [T, H, D] with contiguous heads and out [T, H * D],
+    in the model dtype, which is the cache's; block_tables [C, max_blocks], seq_lens, row0 and
+    nrows [C], int64 with contiguous rows (the caller checks can_paged_decode first).
+    ``kv_tokens``: the context tokens the rows read in all (the thread rule of paged_decode;
+    the result is the same)."""
     kc, vc = layer_cache.k, layer_cache.v
     _, block_size, num_kv_heads, head_dim = kc.shape
     threads = attention_threads(kv_tokens, num_kv_heads * head_dim * 2 * kc.element_size())
-    rc = library().kvl_paged_prefill(
+    rc = library().kvl_paged_prefill_tree(
         q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), ELEM[kc.dtype], block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), row0.data_ptr(), nrows.data_ptr(), row0.shape[0],
         out.data_ptr(), out.stride(0), ELEM[q.dtype], q.shape[1], num_kv_heads, head_dim, block_size, scale,
-        threads,
+        threads, None if tree is None else tree.data_ptr(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"paged_prefill: unsupported arguments (q {tuple(q.shape)}, cache {tuple(kc.shape)})")

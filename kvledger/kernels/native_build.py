@@ -214,6 +214,7 @@ def library() -> ctypes.CDLL | None:
         ptr, i64, ptr, ptr, c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, c_int, i64, i64, i64, i64, c_float,
         c_int,
     ]  # fmt: skip
+    lib.kvl_paged_prefill_tree.argtypes = [*lib.kvl_paged_prefill.argtypes, ptr]
     for fn in (lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16):
         fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
     for fn in (lib.kvl_rms_norm, lib.kvl_rms_norm_bf16):
@@ -239,6 +240,7 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
                lib.kvl_small_gemm_bf16_packed_f32out, lib.kvl_pack_weight, lib.kvl_bf16_packed_available,
                lib.kvl_paged_decode, lib.kvl_paged_prefill, lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16,
+               lib.kvl_paged_prefill_tree,
                lib.kvl_rms_norm, lib.kvl_rms_norm_bf16, lib.kvl_silu_mul, lib.kvl_silu_mul_bf16,
                lib.kvl_quantize_write, lib.kvl_write_kv, lib.kvl_add_rms_norm, lib.kvl_add_rms_norm_bf16,
                lib.kvl_decoder_layer, lib.kvl_quantize_rows_i8, lib.kvl_int8_gemm, lib.kvl_int8_vnni,

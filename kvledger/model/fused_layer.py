@@ -216,6 +216,7 @@ class FusedLayers:
             not enabled()
             or rope.tables is None
             or meta.per_layer is not None
+            or meta.tree_mask is not None  # token trees: the modules' attention takes the mask
             or not isinstance(backend, TorchAttentionBackend)
             or h.dtype != self.dtype
             or not (self.all_quantised or self.row_invariance.row_wise(T, self.dtype))

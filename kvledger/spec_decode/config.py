@@ -19,6 +19,11 @@ METHODS = ("ngram", "suffix", "draft_model")
 # a step verifying 1 + 8 rows per request cost 1.15-1.4x a decode step at 1-16 requests, 2.2-2.4x
 # at 32-64, more than the 1.7-1.8 tokens per verification stories260k's drafts bring.
 DEFAULT_MAX_BATCH = 16
+# Method suffix's tree_nodes when unset. stories260k, 1 stream, 2-core EPYC (docs/benchmarks.md,
+# "Speculative decoding"): 8 nodes 1.74x / 1.81x speculation off (tried / held-out prompts), 16
+# nodes 1.58x / 2.04x, a chain of 8 1.53x / 1.59x: a row costs ~2 % of a step of this model, so
+# the wider tree's extra accepted tokens (2.17 against 2.06 per step) did not pay for its rows.
+TREE_NODES = 8
 # vLLM keys refused with a reason (not silently ignored).
 _NOT_IMPLEMENTED = {
     "draft_tensor_parallel_size": "the draft model runs in the engine's one worker (no tensor parallelism)",
@@ -52,6 +57,12 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
     adaptive: bool = True
+    # kvledger's: draft tokens a verification may spread over a token tree of candidate
+    # continuations (kvledger.spec_decode.tree), each at most num_speculative_tokens long; 0: one
+    # chain (vLLM's drafts). Method "suffix" only (default TREE_NODES there); on an engine that
+    # cannot verify trees (tensor parallelism, quantised or windowed KV, GPU attention) its
+    # requests draft one chain.
+    tree_nodes: int | None = None
     # method "suffix" (vLLM's keys; kvledger.spec_decode.suffix). The depth is that of the
     # n-gram tables (vLLM's default 24 is a tree's; each level here costs a table entry per
     # token, so kvledger's default is 8), the cache holds fewer requests than vLLM's 10,000
@@ -111,6 +122,13 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is None:
             self.disable_by_batch_size = DEFAULT_MAX_BATCH
         _int_at_least("disable_by_batch_size", self.disable_by_batch_size, 1)
+        if self.tree_nodes is None:
+            self.tree_nodes = TREE_NODES if self.method == "suffix" else 0
+        _int_at_least("tree_nodes", self.tree_nodes, 0)
+        if self.tree_nodes and self.method != "suffix":
+            raise ConfigError(
+                f"speculative_config.tree_nodes is for method suffix; method {self.method} drafts one chain"
+            )
         if not isinstance(self.adaptive, bool):
             raise ConfigError(
                 f"speculative_config.adaptive must be true or false, got {self.adaptive!r}"

@@ -11,6 +11,7 @@ from kvledger.spec_decode.config import SpeculativeConfig
 from kvledger.spec_decode.ngram import NgramIndex
 from kvledger.spec_decode.stats import SpecDecodingStats
 from kvledger.spec_decode.suffix import SuffixCache, SuffixIndex
+from kvledger.spec_decode.tree import MAX_TREE_ROWS, is_chain
 
 # Method "draft_model": the scheduler reserves a draft's slots with this placeholder token; the
 # runner's drafter (kvledger.worker.drafter) proposes the real tokens in the same step, before
@@ -44,9 +45,12 @@ def can_speculate(req: Any) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, trees: bool = True) -> None:
+        """``trees``: whether the engine's runner verifies token trees (engine/builder.py says;
+        without, ``tree_nodes`` is ignored and every proposal is a chain)."""
         self.config = config
         self.k = config.num_speculative_tokens
+        self.tree_nodes = min(config.tree_nodes, MAX_TREE_ROWS - 1) if trees else 0
         self.stats = SpecDecodingStats(num_spec_tokens=self.k)
         self.drafts_in_runner = config.method == "draft_model"
         self.shared: SuffixCache | None = None  # method "suffix": finished requests' counts
@@ -59,23 +63,34 @@ class Speculator:
         """vLLM's ``disable_by_batch_size``: a large batch is compute-bound, drafts don't pay."""
         return num_running <= self.config.disable_by_batch_size
 
-    def propose(self, req: Any, max_drafts: int) -> list[int]:
-        """Draft tokens for a decoding request (at most ``max_drafts``); [] to decode plainly."""
-        k = min(self.k, max_drafts)
+    def propose(
+        self, req: Any, max_drafts: int, max_depth: int | None = None
+    ) -> tuple[list[int], list[int] | None]:
+        """Draft tokens for a decoding request, at most ``max_drafts`` of them and none more
+        than ``max_depth`` past the last accepted token (default: ``max_drafts``); ([], None) to
+        decode plainly. With the drafts, each one's parent when they form a token tree
+        (kvledger.spec_decode.tree), None for a chain."""
+        k = min(self.k, max_drafts, max_drafts if max_depth is None else max_depth)
         if k <= 0 or not can_speculate(req):
-            return []
+            return [], None
         if self.drafts_in_runner and req.grammar is not None:
             # A grammar's mask rows are built from the drafts before the step, and a draft
             # model's drafts only exist inside it: such requests decode one token at a time.
-            return []
+            return [], None
         st = req.spec_state
         if st is None:
             st = req.spec_state = self._new_state()
         if st.gate is not None and not st.gate.allow():
-            return []
+            return [], None
         if st.index is None:  # the draft model proposes in the runner
-            return [DRAFT_PLACEHOLDER] * k
-        return st.index.propose(req.all_token_ids, k)
+            return [DRAFT_PLACEHOLDER] * k, None
+        if self.tree_nodes > 1 and req.grammar is None and max_drafts > 1:
+            # (A grammar's mask rows are built along one chain of drafts: structured/manager.py.)
+            drafts, parents = st.index.propose_tree(
+                req.all_token_ids, min(self.tree_nodes, max_drafts), k
+            )
+            return drafts, (None if is_chain(parents) else parents)
+        return st.index.propose(req.all_token_ids, k), None
 
     def _new_state(self) -> SpecState:
         c = self.config

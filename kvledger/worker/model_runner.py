@@ -26,6 +26,7 @@ from kvledger.logprobs import Logprob
 from kvledger.model.attention.metadata import AttentionMetadata
 from kvledger.pooling.pooler import PoolingAccumulator
 from kvledger.sample.sampler import SampleRequest, make_logprobs, sample
+from kvledger.spec_decode import tree
 from kvledger.spec_decode.rejection import num_accepted
 from kvledger.storage.kv_cache import HostKVPool, KVCachePool
 from kvledger.structured.bitmask import GrammarBitmask
@@ -46,6 +47,9 @@ class ModelRunnerOutput:
     # the token after them) and their logprobs.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # Token trees: the accepted path's nodes (kvledger.spec_decode.tree.walk), whose K/V the
+    # runner has moved to their positions' slots.
+    spec_tree_paths: dict[str, list[int]] = field(default_factory=dict)
     # A draft model's drafts this step (worker/drafter.py), which the scheduler only knew as
     # placeholders: the engine gives them to their requests before the update.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -70,6 +74,9 @@ class StepInputs:
     # Speculating requests and their drafts; each one's 1 + len(drafts) rows are consecutive
     # samplers.
     verify: list[tuple[CachedRequestState, list[int]]] = field(default_factory=list)
+    # Those whose drafts are a token tree: its parents, and the flat row of its root (the slots of
+    # its chunk are meta.slot_mapping from there).
+    trees: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     # Pooling requests: (id, params, first row, rows, start, prompt length); see pooling/pooler.py.
     pooling: list[tuple] = field(default_factory=list)
 
@@ -111,6 +118,7 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.graphs = graphs
         self.drafter = drafter
+        self.num_tree_moves = 0  # token trees: K/V rows moved for paths off the chain (tests read it)
         self.tiers = tiers  # storage.kv_tiers.TierWorker: moves blocks to / from lower tiers
         self._forks: list[tuple[str, str]] = []  # n > 1 (parent, child) forked this step
         self.pooler = PoolingAccumulator()  # pooling requests' partial pools across chunks
@@ -205,8 +213,11 @@ class ModelRunner:
         if self.rope_long_from is not None:  # the table follows the whole sequence's length
             lens = np.asarray([len(r.all_token_ids) for r in states], dtype=np.int64)
             meta.rope_seq_lens = torch.from_numpy(lens).to(self.device)
+        trees = {}
+        if so.spec_tree_parents:
+            positions, trees = self._tree_rows(meta, states, offsets, starts, so.spec_tree_parents)
         ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(self.device)
-        inp = StepInputs(ids, positions, meta, states, sample_rows, samplers, prompt_rows, verify)
+        inp = StepInputs(ids, positions, meta, states, sample_rows, samplers, prompt_rows, verify, trees)
         if any(r.pooling_params is not None for r in states):
             first = [0, *itertools.accumulate(query_lens)]
             inp.pooling = [
@@ -214,6 +225,32 @@ class ModelRunner:
                 for i, r in enumerate(states) if r.pooling_params is not None
             ]  # fmt: skip
         return inp
+
+    def _tree_rows(
+        self,
+        meta: AttentionMetadata,
+        states: list[CachedRequestState],
+        offsets: list[int] | range,
+        starts: list[int],
+        parents_of: dict[str, list[int]],
+    ) -> tuple[torch.Tensor, dict[str, tuple[list[int], int]]]:
+        """Token trees (kvledger.spec_decode.tree): node j keeps slot start + 1 + j (the
+        slot mapping as built) but sits at position start + depth(j), and its row sees its
+        ancestors only (meta.tree_mask). Returns the positions and each tree's (parents, root row)."""
+        pos = self._np_positions.copy()
+        mask = np.zeros(len(pos), dtype=np.uint64)
+        trees = {}
+        for i, st in enumerate(states):
+            parents = parents_of.get(st.request_id)
+            if parents is None:
+                continue
+            o = offsets[i]
+            pos[o + 1 : o + 1 + len(parents)] = starts[i] + np.asarray(tree.depths(parents), dtype=np.int64)
+            mask[o : o + 1 + len(parents)] = tree.ancestor_masks(parents)
+            trees[st.request_id] = (parents, o)
+        meta.tree_mask = torch.from_numpy(mask.view(np.int64))
+        meta.tree_reqs = frozenset(i for i, st in enumerate(states) if st.request_id in trees)
+        return torch.from_numpy(pos), trees
 
     @staticmethod
     def _verify_rows(
@@ -302,7 +339,30 @@ class ModelRunner:
             self._consume_logits(inp, logits.float().cpu(), so.grammar_bitmask, out)
             if out.draft_token_ids:
                 self.drafter.verified(out.spec_token_ids)
+            if inp.trees:
+                self._move_tree_paths(inp, out)
         return out
+
+    def _move_tree_paths(self, inp: StepInputs, out: ModelRunnerOutput) -> None:
+        """An accepted tree path that left the chain: its nodes' K/V go to the slots of the
+        positions they now hold (start + 1, start + 2, ...), in this step, so that the slots the
+        scheduler keeps hold the accepted tokens' K/V (kvledger.spec_decode.tree.moves)."""
+        src: list[int] = []
+        dst: list[int] = []
+        slots = inp.meta.slot_mapping
+        for rid, path in out.spec_tree_paths.items():
+            root = inp.trees[rid][1]
+            for j, i in tree.moves(path):
+                src.append(root + 1 + j)
+                dst.append(root + 1 + i)
+        if not src:
+            return
+        self.num_tree_moves += len(src)
+        src_t = slots[torch.tensor(src, dtype=torch.long)]
+        dst_t = slots[torch.tensor(dst, dtype=torch.long)]
+        data = self.kv_pool.data  # [layers, 2, blocks, block_size, kv heads, head dim]
+        flat = data.view(data.shape[0], 2, -1, *data.shape[4:])
+        flat[:, :, dst_t] = flat[:, :, src_t]
 
     def _consume_logits(
         self,
@@ -313,7 +373,7 @@ class ModelRunner:
     ) -> None:
         """Sample the due requests and fill prompt logprobs from the rows of ``_logits_rows``."""
         n_sample = len(inp.sample_rows)
-        self._sample(logits[:n_sample], inp.samplers, bitmask, out, inp.verify)
+        self._sample(logits[:n_sample], inp.samplers, bitmask, out, inp.verify, inp.trees)
         off = n_sample
         for st, _, count, start in inp.prompt_rows:
             lp = logits[off : off + count].log_softmax(dim=-1)
@@ -388,6 +448,7 @@ class ModelRunner:
         bitmask: GrammarBitmask | None,
         out: ModelRunnerOutput,
         verify: list[tuple[CachedRequestState, list[int]]] = (),
+        trees: dict[str, tuple[list[int], int]] | None = None,
     ) -> None:
         """A token for each sampler, from its row of ``logits``; a speculating request keeps
         its drafts up to the first row whose token differs, and that row's token
@@ -405,18 +466,24 @@ class ModelRunner:
             out.sampled[r.request_id] = t
             out.logprobs[r.request_id] = lp
         first_of: dict[str, int] = {}
+        trees = trees or {}
         if verify:
             for j, st in enumerate(owners):
                 first_of.setdefault(st.request_id, j)
         for st, drafts in verify:
             first = first_of[st.request_id]
             got = tokens[first : first + len(drafts) + 1]
-            a = num_accepted(drafts, got)
             rid = st.request_id
-            out.sampled[rid] = got[a]
-            out.logprobs[rid] = logprobs[first + a]
-            out.spec_token_ids[rid] = got[:a]
-            out.spec_logprobs[rid] = logprobs[first : first + a]
+            if rid in trees:  # the path the samples take through the tree
+                path = tree.walk(drafts, trees[rid][0], got)
+                rows = [0, *(j + 1 for j in path)]  # the rows that sampled each emitted token
+                out.spec_tree_paths[rid] = path
+            else:
+                rows = list(range(num_accepted(drafts, got) + 1))
+            out.sampled[rid] = got[rows[-1]]
+            out.logprobs[rid] = logprobs[first + rows[-1]]
+            out.spec_token_ids[rid] = [got[r] for r in rows[:-1]]
+            out.spec_logprobs[rid] = [logprobs[first + r] for r in rows[:-1]]
 
 
 def _aligned_bitmask(

@@ -31,6 +31,9 @@ int kvl_paged_decode(const void *, int64_t, const void *, const void *, int, int
 int kvl_paged_prefill(const void *, int64_t, const void *, const void *, int, const int64_t *, int64_t,
                       const int64_t *, const int64_t *, const int64_t *, int64_t, void *, int64_t, int, int64_t,
                       int64_t, int64_t, int64_t, float, int);
+int kvl_paged_prefill_tree(const void *, int64_t, const void *, const void *, int, const int64_t *, int64_t,
+                           const int64_t *, const int64_t *, const int64_t *, int64_t, void *, int64_t, int, int64_t,
+                           int64_t, int64_t, int64_t, float, int, const uint64_t *);
 int kvl_quantize_rows_i8(const void *, int, int8_t *, float *, int64_t, int64_t, int);
 int kvl_int8_gemm(const int8_t *, const float *, const int8_t *, const float *, const int32_t *, const void *, int,
                   void *, int64_t, int64_t, int64_t, int);

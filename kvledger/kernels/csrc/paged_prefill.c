@@ -24,7 +24,16 @@
  * Float32 arithmetic, no fast-math; a row's result depends only on its own query and context,
  * never on the rows or requests around it (the summation order is fixed per row). It differs
  * from a decode of the same row in the last bits (another summation order), as the SDPA path
- * for long chunks always did. Work items are (chunk, KV head, tile) over OpenMP threads,
+ * for long chunks always did.
+ *
+ * Tree verification (speculative decoding with several candidate continuations in one chunk,
+ * kvl_paged_prefill_tree): row r of chunk c also carries tree[row0[c] + r], a bit per row of its
+ * chunk (bit j: row j is r's ancestor or r itself); of the chunk's own tokens it attends only to
+ * those, the cached context before the chunk as usual. A masked token is left out of the max and
+ * adds an exact zero to the sum and to V, so a row's result is that of the same row in a chain
+ * of its ancestors alone, bit for bit. At most 64 rows per chunk then.
+ *
+ * Work items are (chunk, KV head, tile) over OpenMP threads,
  * dynamically, the tiles of the last rows (the longest contexts) first. Returns 0, or -1 for
  * unsupported arguments (the caller falls back).
  */
@@ -146,7 +155,8 @@ static inline __attribute__((always_inline)) void v_lanes(
  * (zero in unused lanes); sc scratch of len_max * VW floats; out VW rows of D floats. */
 static inline __attribute__((always_inline)) void tile_attend(
     const pargs_t *a, const float *qT, const int64_t *lens, const int64_t *table, int64_t len_max, int64_t kvh,
-    float *sc, float *kbuf, float *vbuf, float *out, const int KT, const int64_t D) {
+    const uint64_t *tree, int64_t t0, float *sc, float *kbuf, float *vbuf, float *out, const int KT,
+    const int64_t D) {
     kv_walk_t w = kv_walk_at(0, a->bs);
     kv_walk_t ah = kv_ahead_start(PF_AHEAD, a->bs);
     int64_t t = 0;
@@ -156,12 +166,21 @@ static inline __attribute__((always_inline)) void tile_attend(
     float lens_f[VW];
     for (int l = 0; l < VW; l++) lens_f[l] = (float)lens[l];
     const vf lenv = vload(lens_f), zero = vzero();
+    /* Tree rows: tm[(t - t0) * VW + lane] is 1 where the lane's row sees the chunk's token t. */
+    float tm[tree ? (len_max - t0) * VW : 1];
+    if (tree)
+        for (t = t0; t < len_max; t++)
+            for (int l = 0; l < VW; l++) tm[(t - t0) * VW + l] = (float)((tree[l] >> (t - t0)) & 1);
     vf mx = vset1(-INFINITY);
-    for (t = 0; t < len_max; t++) /* a NaN score is skipped */
-        mx = vsel(vlt(vset1((float)t), lenv), vmax(vload(sc + t * VW), mx), mx);
+    for (t = 0; t < len_max; t++) { /* a NaN score is skipped */
+        vf m = vsel(vlt(vset1((float)t), lenv), vmax(vload(sc + t * VW), mx), mx);
+        if (tree && t >= t0) m = vsel(vlt(zero, vload(tm + (t - t0) * VW)), m, mx);
+        mx = m;
+    }
     vf total = zero;
     for (t = 0; t < len_max; t++) {
-        const vf p = vsel(vlt(vset1((float)t), lenv), vexp(vsub(vload(sc + t * VW), mx)), zero);
+        vf p = vsel(vlt(vset1((float)t), lenv), vexp(vsub(vload(sc + t * VW), mx)), zero);
+        if (tree && t >= t0) p = vsel(vlt(zero, vload(tm + (t - t0) * VW)), p, zero);
         vstore(sc + t * VW, p);
         total = vadd(total, p);
     }
@@ -190,9 +209,10 @@ static inline __attribute__((always_inline)) void tile_attend(
     }
 }
 
-#define PF_CALL(KT_, DD) tile_attend(a, qT, lens, table, len_max, kvh, sc, kbuf, vbuf, out, KT_, DD)
+#define PF_CALL(KT_, DD) tile_attend(a, qT, lens, table, len_max, kvh, tree, t0, sc, kbuf, vbuf, out, KT_, DD)
 static void tile_any(const pargs_t *a, const float *qT, const int64_t *lens, const int64_t *table, int64_t len_max,
-                     int64_t kvh, float *sc, float *kbuf, float *vbuf, float *out, int kt, int64_t D) {
+                     int64_t kvh, const uint64_t *tree, int64_t t0, float *sc, float *kbuf, float *vbuf, float *out,
+                     int kt, int64_t D) {
     if (kt == ELEM_F32) {
         if (D == 32) { PF_CALL(ELEM_F32, 32); return; }
         if (D == 64) { PF_CALL(ELEM_F32, 64); return; }
@@ -208,18 +228,21 @@ static void tile_any(const pargs_t *a, const float *qT, const int64_t *lens, con
 
 /* q [T, H, D] rows of q_row_stride elements and out [T, H * D] rows of out_row_stride, both in
  * the model dtype qt (float32 or bfloat16), which is also the cache's (kt); chunk c's rows are
- * row0[c] .. row0[c] + nrows[c] - 1, its context seq_lens[c] tokens in block_tables[c, :]. */
-int kvl_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, int kt,
-                      const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                      const int64_t *row0, const int64_t *nrows, int64_t C, void *out, int64_t out_row_stride,
-                      int qt, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int num_threads) {
+ * row0[c] .. row0[c] + nrows[c] - 1, its context seq_lens[c] tokens in block_tables[c, :].
+ * tree: NULL (causal), or a bit mask per row of q (see the top of this file); a chunk whose first
+ * row's mask is 0 is causal. */
+int kvl_paged_prefill_tree(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, int kt,
+                           const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                           const int64_t *row0, const int64_t *nrows, int64_t C, void *out, int64_t out_row_stride,
+                           int qt, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int num_threads,
+                           const uint64_t *tree) {
     if (C < 1 || Hkv < 1 || H % Hkv != 0 || H / Hkv > PF_MAX_G || D % 8 != 0 || D > PF_MAX_D || bs < 1 ||
         num_threads < 1 || (qt != ELEM_F32 && qt != ELEM_BF16) || kt != qt)
         return -1;
     const int64_t G = H / Hkv;
     int64_t max_len = 1, items = 0;
     for (int64_t c = 0; c < C; c++) {
-        if (nrows[c] < 1 || seq_lens[c] < nrows[c]) return -1;
+        if (nrows[c] < 1 || seq_lens[c] < nrows[c] || (tree && tree[row0[c]] && nrows[c] > 64)) return -1;
         if (seq_lens[c] > max_len) max_len = seq_lens[c];
         items += Hkv * ((nrows[c] * G + VW - 1) / VW);
     }
@@ -249,12 +272,15 @@ int kvl_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, 
             if (!buf) continue;
             const int64_t c = item[3 * i], kvh = item[3 * i + 1], lane0 = item[3 * i + 2] * VW;
             const int64_t n = nrows[c], L = seq_lens[c];
+            const int tree_c = tree && tree[row0[c]] != 0; /* a causal chunk's rows carry 0 */
             float *sc = buf, *qT = sc + max_len * VW, *of = qT + D * VW, *kbuf = of + D * VW;
             float *vbuf = vbuf_floats ? kbuf + PF_TOKENS * PF_MAX_D : NULL;
             int64_t lens[VW], len_max = 0;
+            uint64_t lane_tree[VW];
             for (int l = 0; l < VW; l++) {
                 const int64_t idx = lane0 + l, r = idx / G, g = idx % G;
                 lens[l] = idx < n * G ? L - n + r + 1 : 0;
+                lane_tree[l] = tree_c && lens[l] ? tree[row0[c] + r] : 0;
                 if (lens[l] > len_max) len_max = lens[l];
                 if (!lens[l]) {
                     for (int64_t d = 0; d < D; d++) qT[d * VW + l] = 0.0f;
@@ -264,7 +290,8 @@ int kvl_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, 
                 for (int64_t d = 0; d < D; d++)
                     qT[d * VW + l] = qt == ELEM_BF16 ? bf16_to_f32(((const uint16_t *)qp)[d]) : ((const float *)qp)[d];
             }
-            tile_any(&a, qT, lens, block_tables + c * table_stride, len_max, kvh, sc, kbuf, vbuf, of, kt, D);
+            tile_any(&a, qT, lens, block_tables + c * table_stride, len_max, kvh, tree_c ? lane_tree : NULL, L - n, sc,
+                     kbuf, vbuf, of, kt, D);
             for (int l = 0; l < VW && lens[l]; l++) {
                 const int64_t idx = lane0 + l, r = idx / G, g = idx % G;
                 char *op = (char *)out + ((row0[c] + r) * out_row_stride + (kvh * G + g) * D) * qes;
@@ -278,4 +305,12 @@ int kvl_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, 
     }
     free(item);
     return failed ? -1 : 0;
+}
+
+int kvl_paged_prefill(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache, int kt,
+                      const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                      const int64_t *row0, const int64_t *nrows, int64_t C, void *out, int64_t out_row_stride,
+                      int qt, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int num_threads) {
+    return kvl_paged_prefill_tree(q, q_row_stride, k_cache, v_cache, kt, block_tables, table_stride, seq_lens, row0,
+                                  nrows, C, out, out_row_stride, qt, H, Hkv, D, bs, scale, num_threads, NULL);
 }

@@ -36,6 +36,11 @@ class AttentionMetadata:
     per_layer: list[AttentionMetadata] | None = None
     # LongRoPE: each request's whole sequence length, which picks its RoPE table (None: seq_lens).
     rope_seq_lens: torch.Tensor | None = None
+    # Speculative decoding's token trees (kvledger.spec_decode.tree): [T] int64, a bit mask per
+    # query row of a tree-verifying request (bit j: row j of its chunk is an ancestor of the row, or
+    # the row itself), 0 on every other row; None when no request of the step verifies a tree.
+    tree_mask: torch.Tensor | None = None
+    tree_reqs: frozenset[int] = frozenset()  # the requests (batch indices) whose chunk is a tree
 
     @property
     def num_reqs(self) -> int:

@@ -191,7 +191,8 @@ class TorchAttentionBackend:
             )
         if npf is not None:
             native.paged_prefill(
-                q, layer_cache, npf.block_tables, npf.seq_lens, npf.row0, npf.nrows, out, scale, npf.kv_tokens
+                q, layer_cache, npf.block_tables, npf.seq_lens, npf.row0, npf.nrows, out, scale, npf.kv_tokens,
+                meta.tree_mask,
             )
         num_kv_heads = k.shape[1]
         for d in plan.decode:
@@ -341,7 +342,9 @@ def _build_plan(
         if overlay:
             fix = Segments(device)
             mask = chunk_overlay(fix, meta, quant, i, start, query_len, seq_len, 0)
-        if mask is None and query_len > 1 and seq_len > query_len:
+        if i in meta.tree_reqs:  # a token tree: the context, then the row's ancestors
+            mask = _tree_mask(meta.tree_mask[start : start + query_len], seq_len)
+        elif mask is None and query_len > 1 and seq_len > query_len:
             q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
         chunks.append(
@@ -360,6 +363,16 @@ def _build_plan(
     if overlay:
         plan.overlay_src, plan.overlay_dst = overlay_writes(meta, quant, starts, device)
     return plan
+
+
+def _tree_mask(bits: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[L, S] bool: a tree chunk's L rows see the S - L context tokens before it and, of its
+    own rows, those set in their ``bits`` (csrc/paged_prefill.c's rule, for SDPA)."""
+    n = bits.shape[0]
+    own = (bits[:, None] >> torch.arange(n, device=bits.device)[None, :]) & 1
+    mask = torch.ones(n, seq_len, dtype=torch.bool, device=bits.device)
+    mask[:, seq_len - n :] = own.bool()
+    return mask
 
 
 def _select_requests(
