@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvledger.kernels import native
+from kvledger.kernels import native, native_quant
 from kvledger.model.quant_group import GROUP, GroupWeight, dequantize, pack_nibbles, quantize_weight
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
@@ -41,9 +41,9 @@ def test_codes_scales_and_nibble_order_follow_the_format():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_dequantisation_is_the_reference(isa, dtype):
     w = quantize_weight(torch.randn(37, 96, generator=torch.Generator().manual_seed(2)))
-    assert torch.equal(native.group_dequantize(w.q, 4, w.scale, dtype), dequantize(w, dtype))
+    assert torch.equal(native_quant.group_dequantize(w.q, 4, w.scale, dtype), dequantize(w, dtype))
     w8 = _q8(37, 96, seed=3)
-    assert torch.equal(native.group_dequantize(w8.q, 8, w8.scale, dtype), dequantize(w8, dtype))
+    assert torch.equal(native_quant.group_dequantize(w8.q, 8, w8.scale, dtype), dequantize(w8, dtype))
 
 
 @needs_native
@@ -56,7 +56,7 @@ def test_register_kernel_matches_the_dequantised_product(isa, dtype, m, n, k, bi
     w = quantize_weight(torch.randn(n, k, generator=g)) if bits == 4 else _q8(n, k, seed=m)
     x = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    got = native.group_gemm(x, w.q, bits, w.scale, b)
+    got = native_quant.group_gemm(x, w.q, bits, w.scale, b)
     ref = x.double() @ dequantize(w).double().T + (b.double() if bias else 0)
     assert got.dtype == dtype and got.shape == (m, n)
     if dtype == torch.float32:
@@ -64,7 +64,7 @@ def test_register_kernel_matches_the_dequantised_product(isa, dtype, m, n, k, bi
     else:  # one bf16 rounding of the float32 sum
         torch.testing.assert_close(got.double(), ref, atol=2e-2 * math.sqrt(k / 64), rtol=2**-7)
     # an output row depends only on its own input row
-    assert torch.equal(native.group_gemm(x[-1:], w.q, bits, w.scale, b), got[-1:])
+    assert torch.equal(native_quant.group_gemm(x[-1:], w.q, bits, w.scale, b), got[-1:])
 
 
 def test_rows_not_a_multiple_of_the_group_are_refused():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvledger.errors import ConfigError
-from kvledger.kernels import native
+from kvledger.kernels import native, native_quant
 from kvledger.model.quant_int8 import int8_gemm_reference, quantize_rows, quantize_weight
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
@@ -24,7 +24,7 @@ def test_row_quantisation_is_the_reference_bit_for_bit(isa, dtype):
     x[2] = 0  # a zero row: scale 1, codes 0
     x[3, :4] = torch.tensor([127.0, 0.5, -0.5, 1.5])  # halves round to even
     x[3, 4:] = 0
-    q, s = native.quantize_rows_i8(x)
+    q, s = native_quant.quantize_rows_i8(x)
     rq, rs = quantize_rows(x)
     assert torch.equal(s, rs) and torch.equal(q, rq)
     assert s[2] == 1 and not q[2].any()
@@ -47,7 +47,7 @@ def test_int8_gemm_is_the_reference_bit_for_bit(isa, out, m, n, k, bias):
     xq, xs = quantize_rows(x)
     xq[0, : min(k, 8)] = -127  # extreme codes: the VNNI shift's largest products
     assert torch.equal(w.codes(), quantize_rows(wf)[0])  # the tiled layout (rows to 16, columns to 4) round-trips
-    got = native.int8_gemm(xq, xs, w.q, w.scale, w.wsum, b, out)
+    got = native_quant.int8_gemm(xq, xs, w.q, w.scale, w.wsum, b, out)
     want = int8_gemm_reference(xq, xs, w, b, out)
     assert got.dtype == out and torch.equal(got, want)
 

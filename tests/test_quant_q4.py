@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvledger.kernels import native
+from kvledger.kernels import native, native_quant
 from kvledger.model import quant_q4
 from kvledger.model.quant_group import GroupWeight, dequantize, quantize_weight
 from kvledger.model.quant_q4 import Q4Weight, pack, quantize_act, reference_gemm
@@ -72,14 +72,14 @@ def test_native_w4a8_is_the_reference_bit_for_bit(isa, dtype, m, n, k, zeros, bi
     x[-1, :32] = 100.0  # codes 127 against weight codes 127 and -128: the largest pair products
     x[-1, 2:4] = -100.0
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    xq, xs, xsum = native.q4_quantize_act(x)
+    xq, xs, xsum = native_quant.q4_quantize_act(x)
     rq, rs, rsum = quantize_act(x)
     assert torch.equal(xq, rq) and torch.equal(xs, rs) and torch.equal(xsum, rsum)
-    y = native.q4_gemm(xq, xs, xsum, w, b, dtype)
+    y = native_quant.q4_gemm(xq, xs, xsum, w, b, dtype)
     assert torch.equal(y, reference_gemm(x, w, b))
     # One row's result does not depend on the rows beside it.
-    assert torch.equal(native.q4_gemm(xq[-1:], xs[-1:], xsum[-1:], w, b, dtype), y[-1:])
-    assert torch.equal(native.q4_dequantize(w, dtype), w.dequantize(dtype))
+    assert torch.equal(native_quant.q4_gemm(xq[-1:], xs[-1:], xsum[-1:], w, b, dtype), y[-1:])
+    assert torch.equal(native_quant.q4_dequantize(w, dtype), w.dequantize(dtype))
 
 
 @needs_native
@@ -182,13 +182,13 @@ def test_native_k_quants_are_the_reference_bit_for_bit(isa, kind, m, n, k):
     w, want = _k_quant(kind, n, k, g)
     assert w.q.shape[2] == {"Q4_K": 256, "Q5_K": 320, "Q6_K": 384}[kind]  # 4, 5 or 6 bits a weight
     assert torch.equal(w.dequantize(), want)
-    assert torch.equal(native.q4_dequantize(w, torch.float32), want)
+    assert torch.equal(native_quant.q4_dequantize(w, torch.float32), want)
     x = (torch.randn(m, k, generator=g) * 3).bfloat16()
     x[-1, :16] = 100.0
-    xq, xs, xsum = native.q4_quantize_act(x)
-    y = native.q4_gemm(xq, xs, xsum, w, None, torch.bfloat16)
+    xq, xs, xsum = native_quant.q4_quantize_act(x)
+    y = native_quant.q4_gemm(xq, xs, xsum, w, None, torch.bfloat16)
     assert torch.equal(y, reference_gemm(x, w, None))
-    assert torch.equal(native.q4_gemm(xq[-1:], xs[-1:], xsum[-1:], w, None, torch.bfloat16), y[-1:])
+    assert torch.equal(native_quant.q4_gemm(xq[-1:], xs[-1:], xsum[-1:], w, None, torch.bfloat16), y[-1:])
     assert (y.float() - F.linear(x.float(), want)).norm() / F.linear(x.float(), want).norm() < 0.02
 
 

@@ -29,10 +29,11 @@ import torch
 
 from kvledger import envs
 from kvledger.kernels import native
+from kvledger.kernels.native_quant import FMT
 from kvledger.model.attention.torch_backend import TorchAttentionBackend
 from kvledger.model.layers import GatedMLP, Linear, RMSNorm, RopeStep
 from kvledger.model.quant_int8 import Int8Weight
-from kvledger.model.quant_q4 import FMT, Q4Split, Q4Weight
+from kvledger.model.quant_q4 import Q4Split, Q4Weight
 from kvledger.storage.kv_cache import PagedKVCache
 
 

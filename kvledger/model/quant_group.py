@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvledger.kernels import native
+from kvledger.kernels import native, native_quant
 
 GROUP = 32
 # Up to this many rows the register kernel takes a product; past it, dequantise + float GEMM
@@ -88,9 +88,9 @@ def group_linear(x: torch.Tensor, w: GroupWeight, bias: torch.Tensor | None) -> 
     if w.perm is not None:
         x2 = x2.index_select(1, w.perm)
     if native.available(x2) and x2.shape[0] <= DECODE_ROWS:
-        y = native.group_gemm(x2, w.q, w.bits, w.scale, bias, w.zero)
+        y = native_quant.group_gemm(x2, w.q, w.bits, w.scale, bias, w.zero)
     else:
         native_deq = native.available(x2)
-        deq = native.group_dequantize(w.q, w.bits, w.scale, x.dtype, w.zero) if native_deq else dequantize(w, x.dtype)
+        deq = native_quant.group_dequantize(w.q, w.bits, w.scale, x.dtype, w.zero) if native_deq else dequantize(w, x.dtype)
         y = F.linear(x2, deq, bias)
     return y.view(*shape[:-1], y.shape[-1])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvledger.config import QUANTIZATION_METHODS as SUPPORTED  # int4: model/quant_group.py
-from kvledger.kernels import native
+from kvledger.kernels import native, native_quant
 
 TILE = 16  # output rows per tile of csrc/int8_gemm.c's layout
 
@@ -103,11 +103,11 @@ def int8_linear(
     if row_amax is not None:
         xq, xs = quantize_rows(x2, row_amax(x2))
     elif native.available(x2):
-        xq, xs = native.quantize_rows_i8(x2)
+        xq, xs = native_quant.quantize_rows_i8(x2)
     else:
         xq, xs = quantize_rows(x2)
     if native.available(x2):
-        y = native.int8_gemm(xq, xs, w.q, w.scale, w.wsum, bias, x.dtype)
+        y = native_quant.int8_gemm(xq, xs, w.q, w.scale, w.wsum, bias, x.dtype)
     else:
         y = int8_gemm_reference(xq, xs, w, bias, x.dtype)
     return y.view(*shape[:-1], y.shape[-1])

@@ -22,16 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvledger.kernels import native
+from kvledger.kernels import native, native_quant
 from kvledger.ledger.weights import int4_tiles
 from kvledger.model.quant_group import GROUP, GroupWeight, codes
 
 TILE = 16  # output rows per tile
-
-
-# csrc/q4_gemm.c's formats: fmt codes, and bytes of codes a group of 16 rows
-FMT = {"q4": 0, "Q4_K": 1, "q8": 2, "Q5_K": 3, "Q6_K": 4}
-GROUP_BYTES = {"q4": 256, "Q4_K": 256, "q8": 512, "Q5_K": 320, "Q6_K": 384}
 
 
 @dataclass(frozen=True)
@@ -39,7 +34,7 @@ class Q4Weight:
     """Group-wise codes in csrc/q4_gemm.c's tiles: 4 bits (W4A8), 8 bits (GGUF Q8_0: W8A8 in
     groups), or one of GGUF's K-quants (``kquant``) in its own bits and scales."""
 
-    q: torch.Tensor  # uint8 [tiles, K / 32, GROUP_BYTES]: per group 4 vectors of 16 rows x 4 bytes of nibbles (8 bits: 8 of bytes), then the K-quants' high bits
+    q: torch.Tensor  # uint8 [tiles, K / 32, native_quant.GROUP_BYTES]: per group 4 vectors of 16 rows x 4 bytes of nibbles (8 bits: 8 of bytes), then the K-quants' high bits
     # fp16 bits (int16) [tiles, K / 32, 16]; Q4_K / Q5_K: uint8 sc [tiles, K / 32, 16];
     # Q6_K: int8 sc per 16 columns [tiles, K / 32, 32] (columns 0-15 of the 16 rows, then 16-31)
     scale: torch.Tensor
@@ -227,7 +222,7 @@ def pack_q6(codes: torch.Tensor, sub: torch.Tensor, d: torch.Tensor, alloc=torch
 
 
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference of native.q4_quantize_act: per group of 32, s = max|x| / 127 (1 for zeros),
+    """The reference of native_quant.q4_quantize_act: per group of 32, s = max|x| / 127 (1 for zeros),
     q = round(x / s) half to even clamped to +-127, and the codes' sum."""
     m, k = x.shape
     g = x.float().reshape(m, k // GROUP, GROUP)
@@ -292,12 +287,12 @@ def q4_linear(x: torch.Tensor, w: Q4Weight | Q4Split, bias: torch.Tensor | None)
     if parts[0].perm is not None:
         x2 = x2.index_select(1, parts[0].perm)
     if native.available(x2):
-        xq, xs, xsum = native.q4_quantize_act(x2)
+        xq, xs, xsum = native_quant.q4_quantize_act(x2)
         y = torch.empty(x2.shape[0], sum(p.n for p in parts), dtype=x2.dtype)
         col = 0
         for p in parts:
             b = None if bias is None else bias[col : col + p.n]
-            native.q4_gemm(xq, xs, xsum, p, b, x2.dtype, out=y, col=col)
+            native_quant.q4_gemm(xq, xs, xsum, p, b, x2.dtype, out=y, col=col)
             col += p.n
     else:
         y = reference_gemm(x2, w, bias)
