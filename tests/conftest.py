@@ -101,3 +101,28 @@ def isa(request, monkeypatch):
     yield request.param
     monkeypatch.undo()
     native.library.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def shared_stories_server(tmp_path_factory):
+    """``shared_stories_server(*args)``: a `kvledger serve` of stories260k (one torch thread)
+    with ``args``, shared by every test module that asks for the same flags, and stopped at the
+    end of the session. A start costs seconds (two processes import torch); a module whose tests
+    kill, signal or count the log lines of their server starts its own instead."""
+    from test_server import STORIES, ServerProcess
+
+    started: dict[tuple[str, ...], ServerProcess] = {}
+
+    def get(*args: str, wait: bool = True) -> ServerProcess:
+        if not (STORIES / "config.json").exists():
+            pytest.skip(f"stories260k not found at {STORIES}")
+        if args not in started:
+            log = tmp_path_factory.mktemp("shared_srv") / "server.log"
+            started[args] = ServerProcess(str(STORIES), *args, "--torch-threads", "1", log_path=log)
+        if wait:
+            started[args].wait_ready()
+        return started[args]
+
+    yield get
+    for srv in started.values():
+        srv.stop()

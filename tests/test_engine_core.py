@@ -2,7 +2,8 @@
 
 One server for the module. Its engine core process is killed with SIGKILL at the end: the
 front end must notice, answer 503 (and /health 503) instead of hanging, and keep serving
-errors. The engine's own start-up errors still reach the user as one line.
+errors, and log the crash as an ERROR naming the core. The engine's own start-up errors still
+reach the user as one line.
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def test_a_killed_engine_core_makes_the_server_answer_503_not_hang(core_server):
     assert r.status_code == 503, r.text
     assert httpx.get(f"{core_server.url}/v1/ledger", timeout=5).status_code == 503
     assert core_server.proc.poll() is None  # the front end lives on, answering errors
+    # A core that crashes (unlike one stopped on request) is an error in the log, naming it.
+    while "ERROR" not in (log := core_server.log()):
+        assert time.monotonic() < deadline + 10, log
+        time.sleep(0.1)
+    assert "engine core 0 is dead: the engine core process exited (code -9)" in log, log
 
 
 def test_an_engine_start_up_error_is_one_line(tmp_path):

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import openai
 import pytest
@@ -71,10 +70,6 @@ def test_offline_chat_on_the_embedded_default_is_the_story_continued():
     assert chat.prompt_token_ids == story.prompt_token_ids
 
 
-def _core_pids(pid: int) -> list[int]:
-    return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-
-
 @pytest.mark.parametrize(
     "args,how",
     [
@@ -106,37 +101,29 @@ def test_a_requested_stop_logs_no_error(tmp_path, args, how):
         s.stop()
 
 
-def test_a_core_that_crashes_is_still_an_error(tmp_path):
-    s = ServerProcess("--torch-threads", "1", "--no-dashboard", log_path=tmp_path / "serve.log")
-    try:
-        s.wait_ready()
-        (core,) = _core_pids(s.proc.pid)
-        os.kill(core, signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while "ERROR" not in (log := s.log()):
-            assert time.monotonic() < deadline, log
-            time.sleep(0.1)
-        assert "engine core 0 is dead: the engine core process exited (code -9)" in log, log
-    finally:
-        s.stop()
-
-
 def test_the_first_start_says_it_compiles_and_how_long_it_took(tmp_path):
     """A fresh cache: `kvledger generate` says it is compiling, then the time; the next start
-    (cached) says nothing about it."""
+    (cached) says nothing about it and reuses the same library file, and the build left no
+    temporary files behind. (The only test that compiles into an empty cache: a compile is the
+    suite's costliest step, so it runs the avx2 build, the quickest, which prints the same.)"""
     from kvledger.kernels import native_build
 
-    if native_build.selected_isa() is None:
+    if native_build.selected_isa() is None or "avx2" not in native_build.cpu_isas():
         pytest.skip("no native kernels on this machine (no AVX2 or KVLEDGER_NATIVE=0)")
-    env = {**os.environ, "KVLEDGER_CACHE_DIR": str(tmp_path / "cache")}
+    cache = tmp_path / "cache"
+    env = {**os.environ, "KVLEDGER_CACHE_DIR": str(cache), "KVLEDGER_NATIVE_ISA": "avx2"}
     cmd = [sys.executable, "-m", "kvledger", "generate", "--max-tokens", "2"]
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
     lines = [ln for ln in first.stderr.splitlines() if "native CPU kernels" in ln]
-    assert len(lines) == 2 and "compiling" in lines[0] and str(tmp_path / "cache") in lines[0], lines
+    assert len(lines) == 2 and "compiling" in lines[0] and str(cache) in lines[0], lines
     assert re.search(r"compiled in \d+\.\d s$", lines[1]), lines
+    (lib,) = cache.glob("kvledger_native-*.so")
+    assert not [p.name for p in cache.iterdir() if p.name.startswith("tmp")]  # work dir removed
+    mtime = lib.stat().st_mtime_ns
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "native CPU kernels" not in second.stderr, second.stderr
+    assert list(cache.glob("kvledger_native-*.so")) == [lib] and lib.stat().st_mtime_ns == mtime
 
 
 def test_nul_and_vllm_random_dataset_prompts_are_served(default_server):
@@ -186,29 +173,6 @@ def test_the_ledger_has_no_utilization_when_nothing_is_stored(default_server):
     default_server.wait_idle()
     led = httpx.get(f"{default_server.url}/v1/ledger").json()
     assert led["used_blocks"] == 0 and led["utilization"] is None
-
-
-def test_the_api_key_never_reaches_the_access_log(tmp_path):
-    import httpx
-
-    key = "sk-first-hour-secret"
-    s = ServerProcess("--torch-threads", "1", "--api-key", key, log_path=tmp_path / "serve.log")
-    try:
-        s.wait_ready()
-        with httpx.Client(base_url=s.url, follow_redirects=True) as c:
-            page = c.get("/dashboard", params={"key": key})
-            assert page.status_code == 200 and "key=" not in str(page.url)  # redirected, cookie set
-            assert c.get("/dashboard/data").status_code == 200
-        # ?api_key= is not how the dashboard takes a key (401), but it is redacted all the same
-        assert httpx.get(f"{s.url}/dashboard", params={"api_key": key, "x": "1"}).status_code == 401
-        # any credential-like name, on any route (the API answers 401: a key goes in the header)
-        assert httpx.get(f"{s.url}/v1/models", params={"x-api-key": key, "client_secret": key}).status_code == 401
-        log = s.log()
-        assert "/v1/models?x-api-key=***&client_secret=*** HTTP/1.1" in log, log
-        assert "GET /dashboard?key=*** HTTP/1.1" in log and "/dashboard?api_key=***&x=1" in log, log
-        assert key not in log, log
-    finally:
-        s.stop()
 
 
 def test_fields_without_effect_are_named_in_a_response_header(default_server):

@@ -14,6 +14,7 @@ process imports is what it pays at start-up, and what it can break.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import subprocess
@@ -157,7 +158,9 @@ def describe(comps: list[list[str]], graph: dict[str, set[str]], why) -> str:
     return "\n".join(lines)
 
 
+@functools.cache
 def _graphs():
+    """The package's import graphs, read once for the module (every test here reads them)."""
     modules = all_modules()
     edges = import_edges(modules)
     mod_graph: dict[str, set[str]] = defaultdict(set)

@@ -8,7 +8,6 @@ through KVLEDGER_NATIVE_ISA): an AVX-512 machine tests its own path and the AVX2
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 
 import pytest
@@ -560,12 +559,9 @@ def test_build_failures_fall_back_to_torch(tmp_path, monkeypatch, caplog):
         native.library.cache_clear()
 
 
-@needs_native
-def test_build_is_cached_per_source(tmp_path):
-    first = native_build.build(out_dir=tmp_path)
-    mtime = os.stat(first).st_mtime_ns
-    assert native_build.build(out_dir=tmp_path) == first and os.stat(first).st_mtime_ns == mtime
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+# A build into an empty cache, reused by the next start and leaving no temporary files, is
+# tests/test_first_hour.py's test_the_first_start_says_it_compiles_and_how_long_it_took (one
+# compile for both: a compile is the suite's costliest step).
 
 
 @needs_native

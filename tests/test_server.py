@@ -224,6 +224,26 @@ def test_access_log_by_default_and_off_with_vllms_flag(server, plain):
     assert "HTTP/1.1\" " not in plain.log(), plain.log()[-2000:]
 
 
+def test_the_api_key_never_reaches_the_access_log(server):
+    """A key in a URL (the dashboard's ?key=, or any credential-like query name on any route) is
+    written to the access log as ***; the dashboard trades ?key= for a cookie by a redirect."""
+    with httpx.Client(base_url=server.url, follow_redirects=True) as c:
+        page = c.get("/dashboard", params={"key": KEY})
+        assert page.status_code == 200 and "key=" not in str(page.url)  # redirected, cookie set
+        assert c.get("/dashboard/data").status_code == 200
+    # ?api_key= is not how the dashboard takes a key (401), but it is redacted all the same
+    assert httpx.get(f"{server.url}/dashboard", params={"api_key": KEY, "x": "1"}).status_code == 401
+    # any credential-like name, on any route (the API answers 401: a key goes in the header)
+    assert httpx.get(f"{server.url}/v1/models", params={"x-api-key": KEY, "client_secret": KEY}).status_code == 401
+    want = "/v1/models?x-api-key=***&client_secret=*** HTTP/1.1"
+    deadline = time.monotonic() + 10
+    while want not in (log := server.log()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert want in log, log
+    assert "GET /dashboard?key=*** HTTP/1.1" in log and "/dashboard?api_key=***&x=1" in log, log
+    assert KEY not in log, log
+
+
 def test_models_lists_the_served_name(client):
     models = client.models.list().data
     assert [m.id for m in models] == [NAME]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from tests.test_server import STORIES, TEMPLATE, ServerProcess, running_stories
+from tests.test_server import STORIES, TEMPLATE, running_stories
 
 KEY = "sk-embed-test"
 NAME = "stories-embed"
@@ -192,22 +192,19 @@ def test_embeddings_count_in_vllm_metrics(client, server):
     assert server.ledger(KEY)["used_blocks"] == 0
 
 
-def test_a_generate_server_refuses_embeddings_naming_the_runner(tmp_path):
-    """And every other pooling route, with vLLM's "does not support ... API" message."""
-    srv = ServerProcess(str(STORIES), "--torch-threads", "1", log_path=tmp_path / "gen.log")
-    try:
-        srv.wait_ready()
-        with pytest.raises(openai.BadRequestError, match="pooling runner"):
-            srv.client().embeddings.create(model=str(STORIES), input="hi")
-        for path, body, api in [
-            ("/classify", {"input": "hi"}, "Classification"),
-            ("/score", {"text_1": "a", "text_2": "b"}, "Score"),
-            ("/rerank", {"query": "a", "documents": ["b"]}, "Rerank (Score)"),
-            ("/pooling", {"input": "hi"}, "Pooling"),
-        ]:
-            r = httpx.post(f"{srv.url}{path}", json=body, timeout=60)
-            assert r.status_code == 400, r.text
-            msg = r.json()["error"]["message"]
-            assert f"The model does not support {api} API" in msg and "--runner pooling" in msg, msg
-    finally:
-        srv.stop()
+def test_a_generate_server_refuses_embeddings_naming_the_runner(shared_stories_server):
+    """And every other pooling route, with vLLM's "does not support ... API" message. (A plain
+    generate server: the one tests/test_server_load.py loads.)"""
+    srv = shared_stories_server()
+    with pytest.raises(openai.BadRequestError, match="pooling runner"):
+        srv.client().embeddings.create(model=str(STORIES), input="hi")
+    for path, body, api in [
+        ("/classify", {"input": "hi"}, "Classification"),
+        ("/score", {"text_1": "a", "text_2": "b"}, "Score"),
+        ("/rerank", {"query": "a", "documents": ["b"]}, "Rerank (Score)"),
+        ("/pooling", {"input": "hi"}, "Pooling"),
+    ]:
+        r = httpx.post(f"{srv.url}{path}", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        msg = r.json()["error"]["message"]
+        assert f"The model does not support {api} API" in msg and "--runner pooling" in msg, msg

@@ -50,19 +50,10 @@ def workload(seed: int = 0) -> list[tuple[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    if not (STORIES / "config.json").exists():
-        pytest.skip(f"stories260k not found at {STORIES}")
-    srv = ServerProcess(
-        str(STORIES),
-        "--torch-threads",
-        "1",
-        log_path=tmp_path_factory.mktemp("load") / "server.log",
-    )
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(shared_stories_server):
+    """A plain generate server (shared with tests/test_server_embeddings.py); not waited for
+    here, so that the reference is computed while it starts."""
+    return shared_stories_server(wait=False)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.test_server import running_stories
 from tests.test_server_structured import TEMPLATE, WEATHER
 
 KEY = "sk-ant-test"
@@ -27,11 +26,14 @@ TOOL = {"name": "get_weather", "description": "The weather in a city",
         "input_schema": WEATHER["function"]["parameters"]}  # fmt: skip
 
 
+# One server for this module and tests/test_server_responses.py (conftest's shared_stories_server).
+SERVER_ARGS = ("--chat-template", TEMPLATE, "--api-key", KEY, "--served-model-name", NAME,
+               "--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_stories(tmp_path_factory, "--chat-template", TEMPLATE, "--api-key", KEY, "--served-model-name",
-                         NAME, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as srv:  # fmt: skip
-        yield srv
+def server(shared_stories_server):
+    return shared_stories_server(*SERVER_ARGS)
 
 
 @pytest.fixture(scope="module")

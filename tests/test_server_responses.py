@@ -14,19 +14,17 @@ import jsonschema
 import openai
 import pytest
 
-from tests.test_server import running_stories
-from tests.test_server_structured import TEMPLATE, WEATHER
+from tests.test_server_messages import KEY, NAME, SERVER_ARGS
+from tests.test_server_structured import WEATHER
 
-KEY = "sk-resp-test"
-NAME = "stories"
 FN = {"type": "function", **WEATHER["function"]}  # the Responses API's flat function tool
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_stories(tmp_path_factory, "--chat-template", TEMPLATE, "--api-key", KEY, "--served-model-name",
-                         NAME) as srv:  # fmt: skip
-        yield srv
+def server(shared_stories_server):
+    """The Messages API tests' server (its tool parser is used by neither module's named or
+    forced tool choices here)."""
+    return shared_stories_server(*SERVER_ARGS)
 
 
 @pytest.fixture(scope="module")
