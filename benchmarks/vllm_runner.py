@@ -198,6 +198,8 @@ def main() -> None:
     res = {
         "engine": f"vllm-cpu-{vllm.__version__}",
         "vllm_version": vllm.__version__,
+        # what vLLM made of the checkpoint's quantization_config (None: full precision)
+        "quantization": getattr(getattr(llm.llm_engine, "model_config", None), "quantization", None),
         "tok_per_s": n_gen / wall,
         "wall_s": wall,
         "startup_s": startup_s,

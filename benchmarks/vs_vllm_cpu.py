@@ -14,11 +14,21 @@ bfloat16 the arithmetic differs between engines (and from float32), so the same 
 plus one with HF bfloat16, are reported as agreement (tokens before the first difference),
 not claimed identical.
 
+``--quantization w8a8``: both engines run the same compressed-tensors INT8 W8A8 checkpoint
+(per-channel int8 weights, dynamic per-token int8 activations), written from the preset's float
+folder by ``benchmarks/w8a8_checkpoint.py`` as llm-compressor writes one; kvledger reads its
+``quantization_config`` in ``LLM(path)``, vLLM takes its compressed-tensors path
+(``CompressedTensorsW8A8Int8``). HF cannot run that checkpoint without the compressed-tensors
+package, so the HF comparison is then with the *float* model it was written from: agreement
+(how far W8A8 drifts from the float model), not exactness; the engines are compared with each
+other on every request as before.
+
     bash benchmarks/setup_vllm_env.sh                  # once
     python -m benchmarks.vs_vllm_cpu                   # both engines
     python -m benchmarks.vs_vllm_cpu --dtype bfloat16  # both engines in bf16
     python -m benchmarks.vs_vllm_cpu --only vllm       # one engine alone
     python -m benchmarks.vs_vllm_cpu --only kvledger --reuse-vllm   # compare with last vLLM run
+    python -m benchmarks.vs_vllm_cpu --quantization w8a8 --dtype bfloat16   # same W8A8 checkpoint
 """
 
 from __future__ import annotations
@@ -55,12 +65,15 @@ from benchmarks.common import (
     workload_sha,
     workload_summary,
 )
+from benchmarks.w8a8_checkpoint import ensure_w8a8_checkpoint
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="kvledger vs vLLM CPU")
     ap.add_argument("--only", choices=["vllm", "kvledger"], help="run a single engine")
-    ap.add_argument("--preset", default="bench-60m", choices=["bench-30m", "bench-60m"])
+    ap.add_argument(
+        "--preset", default="bench-60m", choices=["bench-30m", "bench-60m", "bench-230m", "bench-230m-v512"]
+    )
     ap.add_argument("--model", help="model folder (default: build/reuse the preset)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -79,6 +92,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="reuse OUT_DIR/vllm.json if it was made for the same model and workload",
     )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "w8a8"],
+        help="w8a8: both engines run the same compressed-tensors INT8 W8A8 checkpoint of the model",
+    )
     ap.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_int8"], help="kvledger only"
     )
@@ -154,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # only so the header shows torch's version and threads
 
     torch.set_num_threads(a.threads)
-    model = Path(a.model or ensure_model(a.preset, a.seed))
-    wl = make_workload(n=a.num_requests, seed=a.seed)
+    float_model = Path(a.model or ensure_model(a.preset, a.seed))
+    model = ensure_w8a8_checkpoint(float_model) if a.quantization == "w8a8" else float_model
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    wl = make_workload(n=a.num_requests, seed=a.seed, vocab_size=vocab)
     wl_path = a.out_dir / "workload.json"
     save_json(wl, wl_path)
     fingerprint = {"model": str(model), "workload_sha": workload_sha(wl), "dtype": a.dtype}
@@ -164,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvledger.kernels import native_build
 
     print(f"model   : {model} ({model_num_params(model) or '?'} params, {a.dtype})")
+    if a.quantization == "w8a8":
+        print(f"weights : compressed-tensors INT8 W8A8 (written from {float_model})")
     print(f"kvledger: native kernels {native_build.selected_isa() or 'off (torch)'}, kv_cache_dtype {a.kv_cache_dtype}")
     print(f"workload: {workload_summary(wl)}, sha {fingerprint['workload_sha']}")
 
@@ -199,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     print_result_table(list(results.values()))
     if "vllm" in results:
         v = results["vllm"]
+        print(f"vLLM quantization: {v.get('quantization')}")
         print(
             f"vLLM: peak RSS is summed over its process tree (main, EngineCore, worker); "
             f"summed PSS {v.get('peak_pss_mib', 0):.0f} MiB. TTFT: {v['ttft_method']}"
@@ -219,13 +243,18 @@ def main(argv: list[str] | None = None) -> int:
     if results and a.check_n > 0:
         idx = pick_check_indices(wl, a.check_n)
         outs = {k: v["outputs"] for k, v in results.items()}
-        exact = exactness_report(hf_references(model, wl, idx), outs)
+        # W8A8: HF runs the float model the checkpoint was written from (agreement, not exactness).
+        ref = "HF float32" + (" (float weights)" if model != float_model else "")
+        exact = exactness_report(hf_references(float_model, wl, idx), outs, ref)
         if a.dtype != "float32":  # reported, not claimed identical: the arithmetic differs
-            agree_bf16 = exactness_report(hf_references(model, wl, idx, a.dtype), outs, f"HF {a.dtype}")
+            agree_bf16 = exactness_report(
+                hf_references(float_model, wl, idx, a.dtype), outs, ref.replace("float32", a.dtype)
+            )
 
     summary = {
         "command": " ".join(sys.argv),
         **fingerprint,
+        "quantization": a.quantization,
         "results": {
             k: {kk: vv for kk, vv in v.items() if kk not in ("outputs", "ttft_s")}
             for k, v in results.items()
@@ -239,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     save_json(summary, a.out_dir / "summary.json")
     print(f"results in {a.out_dir}/")
     bad = bool(failures)
-    if exact and a.dtype == "float32" and a.kv_cache_dtype == "auto":
+    if exact and a.dtype == "float32" and a.kv_cache_dtype == "auto" and a.quantization == "none":
         bad |= any(e["identical"] != e["checked"] for e in exact.values())
     return 1 if (a.strict and bad) else 0
 
