@@ -2,8 +2,8 @@
 4-bit weights of model/quant_group.py (on-the-fly int4, GGUF Q4_0, GPTQ, AWQ) repacked at load
 into csrc/q4_gemm.c's tiles, multiplied with activations quantised to int8 per group of 32 at each
 product. GGUF Q8_0's 8-bit groups take the same path (Q8_0 x Q8_0), and so do GGUF's K-quants
-Q4_K, Q5_K and Q6_K (their exact values, held in the tiles' 4-bit or 8-bit layout with their own
-scales: ``pack_k``, ``pack_q6``). A fused projection whose GGUF pieces differ in type (Q4_K_M's
+Q4_K, Q5_K and Q6_K (their exact values in their own bits: the nibbles, then planes of the high
+bits, with their own scales: ``pack_k``, ``pack_q6``). A fused projection whose GGUF pieces differ in type (Q4_K_M's
 qkv: Q4_K q and k, Q6_K v) is a ``Q4Split``: each piece's tiles write their columns of one output.
 
 Why: on a CPU a decode step streams every weight once; 4 bits a weight is a quarter of bf16's
