@@ -506,6 +506,25 @@ def cpu_ms_per_token(r: dict[str, Any]) -> float | None:
     return 1000 * own / toks if own is not None and toks else None
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, exited, not_ready, interval: float = 0.2) -> float:
+    """Poll ``url``/health until it answers 200 and return the seconds that took; raise
+    RuntimeError(exited()) if ``proc`` ends first, RuntimeError(not_ready()) after ``timeout``."""
+    import httpx
+
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(exited())
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise RuntimeError(not_ready())
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """Kill a child started with ``start_new_session=True`` and everything in its group.
 

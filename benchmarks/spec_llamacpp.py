@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import wait_healthy
+
 
 def llamacpp_dir() -> Path:
     out = subprocess.run(
@@ -72,18 +74,8 @@ class Server:
         self._wait()
 
     def _wait(self) -> None:
-        import httpx
-
-        for _ in range(600):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {self.proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("llama-server did not become ready in 120 s")
+        wait_healthy(self.url, self.proc, 120.0, lambda: f"llama-server exited: {self.proc.stderr.read()[-2000:]}",
+                     lambda: "llama-server did not become ready in 120 s")  # fmt: skip
 
     def complete(self, ids: list[int], max_tokens: int) -> tuple[float, list[int], dict]:
         import httpx

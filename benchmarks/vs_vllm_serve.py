@@ -68,6 +68,7 @@ from benchmarks.common import (
     machine_info,
     make_workload,
     save_json,
+    wait_healthy,
 )
 from benchmarks.profile_buckets import render
 from kvledger.core.step_trace import ENV as STEP_TRACE_ENV
@@ -130,27 +131,22 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 900.0) -> float:
-        import httpx
-
         t0 = time.perf_counter()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child holds it
         self.proc = subprocess.Popen(
             self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.engine} exited with {self.proc.returncode}:\n{tail}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{self.engine} not healthy after {timeout} s (log {self.log_path})")
+        def exited() -> str:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            return f"{self.engine} exited with {self.proc.returncode}:\n{tail}"
+
+        def not_ready() -> str:
+            self.stop()
+            return f"{self.engine} not healthy after {timeout} s (log {self.log_path})"
+
+        wait_healthy(self.url, self.proc, timeout, exited, not_ready, interval=0.5)
+        return time.perf_counter() - t0
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
