@@ -316,9 +316,10 @@ class LlamaForCausalLM(nn.Module):
         self.tile_group_weights()
 
     def tile_group_weights(self) -> None:
-        """Group-wise weights (on-the-fly int4, GGUF Q4_0 / Q8_0, GPTQ, AWQ) of a model whose
-        activations are int8 (quant_q4.int8_activations: bf16 / fp16 models by default) repacked
-        into csrc/q4_gemm.c's tiles; run once the weights are loaded (and quantised)."""
+        """Group-wise weights (on-the-fly int4, GPTQ, AWQ) of a model whose activations are int8
+        (quant_q4.int8_activations: bf16 / fp16 models by default) repacked into csrc/q4_gemm.c's
+        tiles; run once the weights are loaded (and quantised). A GGUF file's projections are
+        read straight into tiles by the loader."""
         from kvledger.model import quant_q4
         from kvledger.model.quant_group import GroupWeight
         from kvledger.storage import host_memory
