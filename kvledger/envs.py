@@ -162,7 +162,7 @@ environment_variables: dict[str, EnvVar] = {
         _text("KVLEDGER_NATIVE_ISA"),
         "str",
         "the CPU's best",
-        "instruction set of the native build: avx512, avx512-base or avx2 (tests every path a CPU "
+        "instruction set of the native build: avx512, avx512-base, avx2-vnni or avx2 (tests every path a CPU "
         "can run); torch turns the kernels off",
     ),
     "KVLEDGER_FUSED_LAYER": EnvVar(

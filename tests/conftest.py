@@ -81,26 +81,38 @@ def stories_path() -> Path:
     return STORIES
 
 
-def _cpu_isas() -> list[str]:
+def _cpu_isas(testable: bool = False) -> list[str]:
     from kvledger.kernels import native_build
 
-    return native_build.cpu_isas() or ["none"]
+    return (native_build.testable_isas() if testable else native_build.cpu_isas()) or ["none"]
+
+
+def _with_isa(isa: str, monkeypatch):
+    from kvledger.kernels import native
+
+    if isa == "none" or native.library() is None:
+        pytest.skip("native kernels unavailable here")
+    monkeypatch.setenv("KVLEDGER_NATIVE_ISA", isa)
+    native.library.cache_clear()
+    assert native.library().isa == isa
+    yield isa
+    monkeypatch.undo()
+    native.library.cache_clear()
 
 
 @pytest.fixture(params=_cpu_isas())
 def isa(request, monkeypatch):
     """Run the test with the native kernels built for one instruction set (each one this CPU
     runs: KVLEDGER_NATIVE_ISA)."""
-    from kvledger.kernels import native
+    yield from _with_isa(request.param, monkeypatch)
 
-    if request.param == "none" or native.library() is None:
-        pytest.skip("native kernels unavailable here")
-    monkeypatch.setenv("KVLEDGER_NATIVE_ISA", request.param)
-    native.library.cache_clear()
-    assert native.library().isa == request.param
-    yield request.param
-    monkeypatch.undo()
-    native.library.cache_clear()
+
+@pytest.fixture(params=_cpu_isas(testable=True))
+def int_dot_isa(request, monkeypatch):
+    """``isa``, plus avx2-vnni's stand-in on an AVX-512 VNNI CPU without avx_vnni: for the
+    kernels whose integer dot products differ between builds (vpdpbusd / vpdpwssd or their
+    AVX2 sequences)."""
+    yield from _with_isa(request.param, monkeypatch)
 
 
 @pytest.fixture(scope="session")

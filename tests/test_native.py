@@ -77,6 +77,29 @@ def test_a_weight_packed_for_one_build_is_refused_by_another(monkeypatch):
 
 
 @needs_native
+def test_avx2_vnni_is_the_avx2_code_with_vnni_dot_products(monkeypatch):
+    """avx2-vnni is the build an AVX2 CPU with avx_vnni runs (on an AVX-512 VNNI CPU, its
+    stand-in: the same 8-lane code, the EVEX form of the same instructions): avx2's tiles, with
+    vpdpbusd's unsigned activations for the int8 products; plain avx2 keeps its own sequences.
+    Its kernels' results are checked bit for bit by the tests taking ``int_dot_isa``."""
+    if "avx2-vnni" not in native_build.testable_isas():
+        pytest.skip("needs a CPU with avx_vnni or avx512_vnni")
+    flags = native_build.isa_flags("avx2-vnni")
+    assert "-DKVL_AVXVNNI" in flags or {"-DKVL_VW8", "-mavx512vnni"} <= set(flags)
+    builds = {}
+    try:
+        for isa in ["avx2", "avx2-vnni"]:
+            monkeypatch.setenv("KVLEDGER_NATIVE_ISA", isa)
+            native.library.cache_clear()
+            lib = native.library()
+            builds[lib.isa] = (lib.int8_vnni, lib.tile_width)
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert builds == {"avx2": (False, 16), "avx2-vnni": (True, 16)}
+
+
+@needs_native
 def test_avx512_base_leaves_out_the_optional_instructions(monkeypatch):
     """avx512-base is the build an AVX-512 CPU without avx512_bf16 / avx512_vnni runs: no
     vdpbf16ps GEMM (bf16 weights stay row-major) and no vpdpwssd, whatever this CPU has, so those
@@ -205,7 +228,7 @@ def test_paged_decode_matches_float64_softmax(isa, heads, kv_heads, head_dim, bl
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8", "fp8_int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 32])
-def test_paged_decode_reads_bf16_and_quantised_caches_in_place(isa, fmt, dtype, head_dim):
+def test_paged_decode_reads_bf16_and_quantised_caches_in_place(int_dot_isa, fmt, dtype, head_dim):
     """bf16 caches and int8/fp8 codes with per-token-head scales: the kernel's output is the
     attention over the dequantised cache (float64 reference), read without a dequantised copy."""
     heads, kv_heads, bs = 8, 2, 16
@@ -249,7 +272,7 @@ def test_quantised_v_scales_serve_every_head_group(isa, fmt, heads, kv_heads, he
 
 
 @needs_native
-def test_int8_keys_with_bf16_queries_of_any_magnitude(isa):
+def test_int8_keys_with_bf16_queries_of_any_magnitude(int_dot_isa):
     """int8 keys against a bf16 query take integer scores (the query rounded per head to int16 with
     a power-of-two step): zero, huge and tiny heads, and token counts that are not a multiple of
     the four tokens scored together, still give the attention over the dequantised cache."""

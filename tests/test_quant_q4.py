@@ -62,7 +62,7 @@ def test_the_reference_is_close_to_the_float_product():
 @pytest.mark.parametrize(("m", "n", "k", "zeros", "bias", "bits"),
                          [(1, 40, 64, False, False, 4), (5, 33, 96, True, True, 4), (17, 64, 1024, False, True, 4),
                           (3, 16, 32, True, False, 4), (1, 40, 64, False, False, 8), (6, 33, 96, False, True, 8)])
-def test_native_w4a8_is_the_reference_bit_for_bit(isa, dtype, m, n, k, zeros, bias, bits):
+def test_native_w4a8_is_the_reference_bit_for_bit(int_dot_isa, dtype, m, n, k, zeros, bias, bits):
     """4 bits (W4A8) and 8 bits (GGUF Q8_0 x int8 groups: vpdpbusd on VNNI, the sign trick on
     the builds without it, whose int16 pairs would otherwise saturate on code -128)."""
     g = torch.Generator().manual_seed(m * 7 + n)
@@ -172,7 +172,7 @@ def _k_quant(kind: str, n: int, k: int, g: torch.Generator):
 @needs_native
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 256), (6, 33, 512)])
-def test_native_k_quants_are_the_reference_bit_for_bit(isa, kind, m, n, k):
+def test_native_k_quants_are_the_reference_bit_for_bit(int_dot_isa, kind, m, n, k):
     """GGUF's K-quants in their own bits: Q4_K (nibble x d x sc - dmin x m), Q5_K (a fifth bit
     from its plane) and Q6_K ((code - 32) x d x sc, two high bits from their planes, sc per 16
     columns: the halves of a group weighted in integers). The tiles hold exactly the values, and

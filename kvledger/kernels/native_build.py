@@ -9,8 +9,9 @@ these kernels are plain C with intrinsics and OpenMP, compile in a few seconds o
 Instruction sets: every source is built for one of ``ISAS`` (csrc/simd.h), chosen at run time
 from the CPU's flags, best first: ``avx512`` (AVX-512 F/BW/VL/DQ, with vdpbf16ps and vpdpwssd
 where the CPU has avx512_bf16 / avx512_vnni), ``avx512-base`` (the same without those two: what
-an AVX-512 CPU lacking them runs) or ``avx2`` (AVX2+FMA+F16C). ``KVLEDGER_NATIVE_ISA=avx2`` (or
-``avx512-base``, ``avx512``) forces one, so that a CPU can test every path it can run;
+an AVX-512 CPU lacking them runs), ``avx2-vnni`` (AVX2 with avx_vnni's int8 dot products) or
+``avx2`` (AVX2+FMA+F16C). ``KVLEDGER_NATIVE_ISA=avx2`` (or ``avx2-vnni``, ``avx512-base``,
+``avx512``) forces one, so that a CPU can test every path it can run (``testable_isas``);
 ``KVLEDGER_NATIVE=0`` (or ``KVLEDGER_NATIVE_ISA=torch``) turns the kernels off (kvledger.envs).
 Everything here is optional: without a compiler, on a CPU without AVX2/FMA/F16C, callers get None
 and use torch's own kernels. Torch-free: nothing here needs more than ctypes.
@@ -46,11 +47,23 @@ _AVX512 = (
     ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
     ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
 )
+_AVX2 = (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"))
+# "avx2-vnni": the AVX2 build with avx_vnni's 256-bit vpdpbusd / vpdpwssd (Intel's client cores
+# from Alder Lake on, without AVX-512): the int8 and 4-bit products' dot products in one
+# instruction instead of three.
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512": _AVX512,
     "avx512-base": _AVX512,
-    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+    "avx2-vnni": ((*_AVX2[0], "avx_vnni"), (*_AVX2[1], "-mavxvnni", "-DKVL_AVXVNNI")),
+    "avx2": _AVX2,
 }
+# avx2-vnni's stand-in on an AVX-512 VNNI CPU without avx_vnni (Zen 4, Ice Lake and Sapphire
+# Rapids servers): the same 8-lane code with avx512_vnni's EVEX encoding of the same 256-bit
+# instructions (csrc/simd.h: KVL_VW8), so that such a CPU tests the path (testable_isas).
+_AVX2_VNNI_EVEX = (
+    (*_AVX2[0], "avx512f", "avx512vl", "avx512_vnni"),
+    (*_AVX2[1], "-mavx512f", "-mavx512vl", "-mavx512vnni", "-DKVL_VW8", "-DKVL_VNNI_EVEX256"),
+)
 
 
 def _cpuinfo(field: str) -> str | None:
@@ -81,9 +94,26 @@ def cpu_isas() -> list[str]:
     return [isa for isa, (needs, _) in ISAS.items() if flags.issuperset(needs)]
 
 
+def _stands_in_for_avx_vnni() -> bool:
+    """avx2-vnni's code runs here only through its AVX-512 VNNI stand-in."""
+    flags = set(_cpu_flags().split())
+    return "avx_vnni" not in flags and flags.issuperset(_AVX2_VNNI_EVEX[0])
+
+
+def testable_isas() -> list[str]:
+    """cpu_isas, and avx2-vnni where an AVX-512 VNNI CPU runs its stand-in: every build whose
+    kernels this CPU can test (KVLEDGER_NATIVE_ISA takes each)."""
+    isas = cpu_isas()
+    if "avx2-vnni" not in isas and _stands_in_for_avx_vnni():
+        isas.insert(isas.index("avx2") if "avx2" in isas else len(isas), "avx2-vnni")
+    return isas
+
+
 def isa_flags(isa: str) -> list[str]:
     """Compiler flags of one instruction set; avx512 adds vdpbf16ps and vpdpwssd where the CPU
-    has them (avx512-base never does)."""
+    has them (avx512-base never does); avx2-vnni is its stand-in's on a CPU without avx_vnni."""
+    if isa == "avx2-vnni" and _stands_in_for_avx_vnni():
+        return list(_AVX2_VNNI_EVEX[1])
     flags = list(ISAS[isa][1])
     cpu = _cpu_flags().split()
     if isa == "avx512" and "avx512_bf16" in cpu:
@@ -168,8 +198,8 @@ def enabled() -> bool:
 
 
 def selected_isa() -> str | None:
-    """The instruction set library() loads: KVLEDGER_NATIVE_ISA if this CPU runs it, else the
-    best this CPU runs; None when the kernels are off or no variant runs here."""
+    """The instruction set library() loads: KVLEDGER_NATIVE_ISA if this CPU runs it (or its
+    stand-in: testable_isas), else the best this CPU runs; None when the kernels are off or no variant runs here."""
     if not enabled():
         return None
     isas = cpu_isas()
@@ -178,11 +208,10 @@ def selected_isa() -> str | None:
         if want not in ISAS:
             choices = ", ".join([*ISAS, "torch"])
             raise ConfigError(f"KVLEDGER_NATIVE_ISA={want!r}: expected one of {choices}")
-        if want not in isas:
-            best = isas[0] if isas else "torch"
-            logger.warning("KVLEDGER_NATIVE_ISA=%s: this CPU lacks it; using %s", want, best)
-        else:
+        if want in testable_isas():
             return want
+        best = isas[0] if isas else "torch"
+        logger.warning("KVLEDGER_NATIVE_ISA=%s: this CPU lacks it; using %s", want, best)
     return isas[0] if isas else None
 
 

@@ -7,8 +7,8 @@
  * the weight streams sequentially and no horizontal reduction is needed.
  *
  * Integer sums are exact, so every build gives the same int32 per output whatever its order:
- *   - avx512 with avx512_vnni: vpdpbusd, 64 u8 x s8 products an instruction. It wants one unsigned
- *     operand, so activations are shifted to u8 (q + 128) and 128 * sum_k w[n][k] (``wsum``,
+ *   - avx512 with avx512_vnni, and avx2-vnni (avx_vnni): vpdpbusd, 64 (avx_vnni: 32) u8 x s8
+ *     products an instruction. It wants one unsigned operand, so activations are shifted to u8 (q + 128) and 128 * sum_k w[n][k] (``wsum``,
  *     computed at load) taken off again;
  *   - other builds: even and odd bytes widened to int16, pairs summed by vpmaddwd (exact).
  * The epilogue is y = ((float)acc * xs[m]) * ws[n] (+ bias[n]), in that order, no fused
@@ -21,11 +21,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "act_quant.h"
 #include "kernels.h"
 #include "simd.h"
 
 int kvl_int8_vnni(void) {
-#if defined(KVL_AVX512VNNI)
+#if defined(KVL_VNNI)
     return 1;
 #else
     return 0;
@@ -40,15 +41,18 @@ int kvl_quantize_rows_i8(const void *x, int bf16, int8_t *q, float *s, int64_t M
     for (int64_t m = 0; m < M; m++) {
         const float *xf = bf16 ? NULL : (const float *)x + m * K;
         const uint16_t *xh = bf16 ? (const uint16_t *)x + m * K : NULL;
-        float amax = 0.0f;
-        for (int64_t k = 0; k < K; k++) {
+        const void *xm = bf16 ? (const void *)xh : (const void *)xf;
+        const int64_t kv = K - K % 8; /* act_quant.h's 8 lanes, then the tail */
+        float amax = act_amax8(xm, bf16, kv);
+        for (int64_t k = kv; k < K; k++) {
             float v = fabsf(bf16 ? bf16_to_f32(xh[k]) : xf[k]);
             amax = v > amax ? v : amax;
         }
         float sc = amax / 127.0f;
         if (sc == 0.0f) sc = 1.0f;
         s[m] = sc;
-        for (int64_t k = 0; k < K; k++) {
+        act_codes8(xm, bf16, sc, q + m * K, kv);
+        for (int64_t k = kv; k < K; k++) {
             float r = nearbyintf((bf16 ? bf16_to_f32(xh[k]) : xf[k]) / sc);
             q[m * K + k] = (int8_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
         }
@@ -103,12 +107,17 @@ static inline __attribute__((always_inline)) void tile_rows(const uint8_t *x, in
     for (int64_t c = 0; c < K4; c++) {
         for (int h = 0; h < 2; h++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(wt + c * 64 + 32 * h));
+#if defined(KVL_VNNI256) /* the halves are two independent chains a row */
+            for (int m = 0; m < MM; m++)
+                a[m][h] = dpbusd8(a[m][h], _mm256_set1_epi32(*(const int32_t *)(x + m * Kp + 4 * c)), w);
+#else
             const __m256i we = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), wo = _mm256_srai_epi16(w, 8);
             for (int m = 0; m < MM; m++) {
                 const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x + m * Kp + 4 * c));
                 const __m256i xe = _mm256_srai_epi16(_mm256_slli_epi16(xb, 8), 8), xo = _mm256_srai_epi16(xb, 8);
                 a[m][h] = _mm256_add_epi32(a[m][h], _mm256_add_epi32(_mm256_madd_epi16(xe, we), _mm256_madd_epi16(xo, wo)));
             }
+#endif
         }
     }
     for (int m = 0; m < MM; m++) {
@@ -127,7 +136,7 @@ int kvl_int8_gemm(const int8_t *xq, const float *xs, const int8_t *wq, const flo
     for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < Kp; k++) {
             const int8_t v = k < K ? xq[m * K + k] : 0;
-#if defined(KVL_AVX512VNNI)
+#if defined(KVL_VNNI)
             xu[m * Kp + k] = (uint8_t)(v ^ 0x80); /* q + 128 */
 #else
             xu[m * Kp + k] = (uint8_t)v;
@@ -150,7 +159,7 @@ int kvl_int8_gemm(const int8_t *xq, const float *xs, const int8_t *wq, const flo
             for (int i = 0; i < mm; i++)
                 for (int j = 0; j < nn; j++) {
                     const int64_t n = t * TR + j;
-#if defined(KVL_AVX512VNNI)
+#if defined(KVL_VNNI)
                     const int32_t total = acc[i][j] - 128 * wsum[n];
 #else
                     const int32_t total = acc[i][j];

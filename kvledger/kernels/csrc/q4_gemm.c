@@ -7,7 +7,7 @@
  * Why: a decode step streams every weight once. Widening nibbles to floats costs three vector
  * operations per 16 weights and made the float-activation kernel (group_gemm.c) compute-bound,
  * slower than bf16 streaming; here 128 weights cost an and, a shift, an and and two u8 x s8
- * dot-product instructions (vpdpbusd on avx512_vnni; vpmaddubsw + vpmaddwd elsewhere). The
+ * dot-product instructions (vpdpbusd on avx512_vnni and avx_vnni; vpmaddubsw + vpmaddwd elsewhere). The
  * K-quants keep their own bits a weight (4.6, 5.6, 6.6 with their scales; llama.cpp's 4.5, 5.5,
  * 6.6): a wider layout would stream more bytes than llama.cpp does for the same file.
  *
@@ -46,6 +46,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "act_quant.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -53,7 +54,7 @@
 #define G 32  /* columns per group */
 
 /* Activations in groups of 32: s = max|x| / 127 (1 for a group of zeros), q = x / s rounded half
- * to even and clamped to [-127, 127], and the group's code sum. */
+ * to even and clamped to [-127, 127], and the group's code sum (act_quant.h). */
 int kvl_q4_quantize_act(const void *x, int bf16, int8_t *q, float *s, int32_t *sums, int64_t M, int64_t K,
                         int num_threads) {
     if (M < 1 || K < G || K % G != 0 || num_threads < 1) return -1;
@@ -61,24 +62,12 @@ int kvl_q4_quantize_act(const void *x, int bf16, int8_t *q, float *s, int32_t *s
 #pragma omp parallel for num_threads(num_threads) if (M * K >= 65536)
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
-            float v[G], amax = 0.0f;
-            for (int j = 0; j < G; j++) {
-                const int64_t i = m * K + g * G + j;
-                v[j] = bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-                const float a = fabsf(v[j]);
-                amax = a > amax ? a : amax;
-            }
-            float sc = amax / 127.0f;
+            const int64_t i = m * K + g * G;
+            const void *xg = bf16 ? (const void *)((const uint16_t *)x + i) : (const void *)((const float *)x + i);
+            float sc = act_amax8(xg, bf16, G) / 127.0f;
             if (sc == 0.0f) sc = 1.0f;
-            int32_t total = 0;
-            for (int j = 0; j < G; j++) {
-                float r = nearbyintf(v[j] / sc);
-                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-                q[m * K + g * G + j] = (int8_t)r;
-                total += (int32_t)r;
-            }
             s[m * groups + g] = sc;
-            sums[m * groups + g] = total;
+            sums[m * groups + g] = act_codes8(xg, bf16, sc, q + i, G);
         }
     return 0;
 }
@@ -140,9 +129,13 @@ static inline vq q_lo(vq w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F))
 static inline vq q_hi(vq w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
 static inline vq q_bcast(const int8_t *x) { return _mm256_set1_epi32(*(const int32_t *)x); }
 static inline vq q_zero(void) { return _mm256_setzero_si256(); }
+#if defined(KVL_VNNI256)
+static inline vq q_dot(vq acc, vq w, vq x) { return dpbusd8(acc, w, x); }
+#else
 static inline vq q_dot(vq acc, vq w, vq x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
+#endif
 static inline vq q_dot_signed(vq acc, vq w, vq x) { /* as the AVX-512 one, with vpsignb */
     const vq c = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c)),
@@ -169,7 +162,7 @@ static inline vq q_add(vq a, vq b) { return _mm256_add_epi32(a, b); }
 static inline vf q_tofloat(vq d) { return _mm256_cvtepi32_ps(d); }
 #endif
 
-#if defined(KVL_AVX512VNNI)
+#if defined(KVL_VNNI)
 #define SIGNED8 0 /* vpdpbusd takes the stored u8 codes; 128 x the code sum is taken off */
 #else
 #define SIGNED8 1

@@ -1,9 +1,9 @@
 /* Vector helpers shared by the kernels in this folder, for two instruction sets.
  *
- * Every source here is compiled twice (kvledger/kernels/native_build.py): once for AVX2+FMA+F16C
- * (8 float lanes) and once with AVX-512 F/BW/VL/DQ (16 lanes), and -mavx512bf16 plus
- * KVL_AVX512BF16 where the CPU has avx512_bf16, -mavx512vnni plus KVL_AVX512VNNI where it has
- * avx512_vnni. The kernels are written once against `vf`
+ * Every source here is compiled for one instruction set (kvledger/kernels/native_build.py): AVX2+FMA+F16C
+ * (8 float lanes), with avx_vnni's dot products where the CPU has them (KVL_AVXVNNI), or AVX-512
+ * F/BW/VL/DQ (16 lanes), with -mavx512bf16 plus KVL_AVX512BF16 where the CPU has avx512_bf16 and
+ * -mavx512vnni plus KVL_AVX512VNNI where it has avx512_vnni. The kernels are written once against `vf`
  * (VW float lanes) and the v* helpers; which library is loaded is chosen at run time from the
  * CPU's flags (or KVLEDGER_NATIVE_ISA).
  *
@@ -19,6 +19,29 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+
+/* KVL_AVX512: 16 float lanes (AVX-512 F/BW/VL/DQ). Not in the avx2-vnni build's stand-in on an
+ * AVX-512 CPU (KVL_VW8): compiled with AVX-512 flags for its 256-bit VNNI instructions, it runs
+ * the 8-lane AVX2 code that avx_vnni CPUs run. */
+#if defined(__AVX512F__) && !defined(KVL_VW8)
+#define KVL_AVX512 1
+#endif
+/* u8 x s8 (vpdpbusd) and s16 x s16 (vpdpwssd) dot products on 8 int32 lanes: avx_vnni's VEX
+ * instructions, or in the stand-in avx512_vnni's EVEX form of the same instructions (same
+ * results; only the encoding differs), so that an AVX-512 VNNI CPU tests this path. */
+#if defined(KVL_AVXVNNI)
+#define KVL_VNNI256 1
+#define dpbusd8 _mm256_dpbusd_avx_epi32
+#define dpwssd8 _mm256_dpwssd_avx_epi32
+#elif defined(KVL_VNNI_EVEX256)
+#define KVL_VNNI256 1
+#define dpbusd8 _mm256_dpbusd_epi32
+#define dpwssd8 _mm256_dpwssd_epi32
+#endif
+/* KVL_VNNI: this build's int8 products are vpdpbusd (u8 x s8), 512-bit or 256-bit. */
+#if defined(KVL_AVX512VNNI) || defined(KVL_VNNI256)
+#define KVL_VNNI 1
+#endif
 
 enum { ELEM_F32 = 0, ELEM_BF16 = 1, ELEM_F16 = 2, ELEM_I8 = 3, ELEM_FP8 = 4 };
 #define FP8_UNIT 256.0f /* e4m3 value = (fp16 rebuilt from its bits) * FP8_UNIT */
@@ -41,7 +64,7 @@ static inline void store8_bf16(uint16_t *p, __m256 v) {
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
-#if defined(__AVX512F__)
+#if defined(KVL_AVX512)
 #define VW 16
 typedef __m512 vf;
 static inline vf vzero(void) { return _mm512_setzero_ps(); }
@@ -152,7 +175,7 @@ static inline vf vround_bf16(vf v) { return round8_bf16(v); }
 
 /* int16 dot products, for int8 KV codes against a query rounded to int16 (paged_decode.c):
  * IW int16 lanes per vector, products summed in pairs into int32 lanes (exact). */
-#if defined(__AVX512F__)
+#if defined(KVL_AVX512)
 #define IW 32
 typedef __m512i vi;
 static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
@@ -170,7 +193,11 @@ typedef __m256i vi;
 static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
 static inline vi vi_load16(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vi vi_load_i8(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+#if defined(KVL_VNNI256)
+static inline vi vi_dot(vi acc, vi a, vi b) { return dpwssd8(acc, a, b); }
+#else
 static inline vi vi_dot(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+#endif
 static inline int32_t vi_hsum(vi v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -179,7 +206,7 @@ static inline int32_t vi_hsum(vi v) {
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(KVL_AVX512)
 /* The lane sums of 16 vectors at once, in 15 shuffle-add steps instead of 16 separate
  * reductions (4 each, plus moves out of the vector unit): lane 4m + r of the result is the sum of
  * v[4r + m]'s lanes, each a fixed pairwise tree (the result depends only on v). One body for
@@ -222,7 +249,7 @@ static inline __attribute__((always_inline)) vf vload_as(const void *p, int elem
 /* The first min(n, VW) elements (AVX-512 with n < 16: masked, the other lanes zero; head_dim
  * is a multiple of 8, so AVX2 never needs a partial vector). */
 static inline __attribute__((always_inline)) vf vload_as_n(const void *p, int elem, int64_t n) {
-#if defined(__AVX512F__)
+#if defined(KVL_AVX512)
     if (n < VW) {
         const __mmask16 m = (__mmask16)((1u << n) - 1);
         switch (elem) {
@@ -245,7 +272,7 @@ static inline __attribute__((always_inline)) vf vload_as_n(const void *p, int el
     return vload_as(p, elem);
 }
 static inline __attribute__((always_inline)) void vstore_n(float *p, vf v, int64_t n) {
-#if defined(__AVX512F__)
+#if defined(KVL_AVX512)
     if (n < VW) {
         _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
         return;
