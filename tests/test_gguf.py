@@ -49,7 +49,8 @@ def q4_k_m(i: int, proj: str) -> str:
 
 
 def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0", vocab: bool = False) -> dict[str, np.ndarray]:
-    """stories260k as a GGUF file; returns every tensor as gguf-py dequantises it, in HF layout
+    """A Llama, Qwen2 or Qwen3 model folder (stories260k, or a random model) as a GGUF file, as
+    llama.cpp's converter writes one; returns every tensor as gguf-py dequantises it, in HF layout
     and names (the oracle's weights). layer_type: the layer projections' type, or "Q4_K_M" for
     ``q4_k_m``'s mix. vocab: the tokenizer in the metadata too, as llama.cpp's converter writes a
     Llama tokenizer.json (gguf-py's LlamaHfVocab)."""
@@ -58,7 +59,9 @@ def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0", 
     cfg = json.loads((src / "config.json").read_text())
     sd = load_file(str(src / "model.safetensors"))
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    w = gguf.GGUFWriter(str(out), "llama")
+    arch = cfg["model_type"]
+    permute = arch == "llama"  # only the Llama converter permutes q/k rows
+    w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
@@ -69,6 +72,9 @@ def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0", 
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     if vocab:
         from gguf.vocab import LlamaHfVocab
 
@@ -80,7 +86,8 @@ def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0", 
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
     layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}  # fmt: skip
     oracle = {}
     for hf, t in sd.items():
         t = t.astype(np.float32)
@@ -89,19 +96,19 @@ def write_gguf(src: Path, out: Path, layer_type: str, embed_type: str = "Q8_0", 
             if hf == "lm_head.weight" and layer_type == "Q4_K_M":  # as llama.cpp's Q4_K_M
                 kind = "Q6_K"
         else:
-            i, rest = hf.split(".")[2], ".".join(hf.split(".")[3:-1])
-            name = f"blk.{i}.{layer[rest]}.weight"
+            i, rest, leaf = hf.split(".")[2], ".".join(hf.split(".")[3:-1]), hf.split(".")[-1]  # leaf: weight / bias
+            name = f"blk.{i}.{layer[rest]}.{leaf}"
             kind = q4_k_m(i, rest) if layer_type == "Q4_K_M" else layer_type
             kind = kind if t.ndim == 2 and t.shape[1] % (256 if kind in _K_BLOCKS else 32) == 0 else "F32"
-            if rest == "self_attn.q_proj":
+            if permute and rest == "self_attn.q_proj":
                 t = _permute(t, heads)
-            elif rest == "self_attn.k_proj":
+            elif permute and rest == "self_attn.k_proj":
                 t = _permute(t, kv)
         qt = gguf.GGMLQuantizationType[kind]
         data = t if kind == "F32" else random_k_quant(kind, t.shape) if kind in _K_BLOCKS else gguf.quants.quantize(t, qt)
         w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qt)
         back = t if kind == "F32" else gguf.quants.dequantize(data, qt).reshape(t.shape)
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
+        if permute and name.endswith(("attn_q.weight", "attn_k.weight")):
             h = heads if "attn_q" in name else kv
             back = back.reshape(h, back.shape[0] // h // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
         oracle[hf] = back
@@ -152,6 +159,34 @@ def test_a_gguf_file_runs_as_transformers_runs_its_dequantised_weights(stories_p
         ids = tok.encode(prompt)
         out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
         assert out[0].outputs[0].token_ids == hf_greedy(hf, ids, 32), prompt
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen_gguf_files_run_as_transformers_runs_their_dequantised_weights(tmp_path, stories_path, gguf_cache, kind):
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorms, head_dim apart from hidden / heads) as
+    llama.cpp's converter writes them: architecture named, no q/k row permutation, biases and
+    norms as their own tensors; Q8_0 projections where 32 divides their rows (the rest F32)."""
+    from model_factory import build_hf_model, tiny_config
+    from test_engine_exact import hf_greedy
+
+    from kvledger import LLM, SamplingParams
+
+    cfg = tiny_config(kind)
+    cfg.vocab_size = 512  # stories260k's tokenizer names the tokens
+    hf = build_hf_model(cfg, tmp_path / kind)
+    path = gguf_cache / f"{kind}.gguf"
+    oracle = write_gguf(tmp_path / kind, path, "Q8_0")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.from_numpy(oracle[name]).reshape(p.shape))
+    llm = LLM(str(path), tokenizer=str(stories_path), block_size=4, calibrate_preemption=False)
+    attn = llm.engine.executor.worker.model.model.layers[0].self_attn
+    assert attn.qkv_proj.quant is not None and attn.qkv_proj.quant.bits == 8
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 13)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 24), (kind, p)
 
 
 def test_bad_gguf_files_are_refused_by_name(stories_path, gguf_cache):
