@@ -349,7 +349,7 @@ def perf(dev, dry: bool) -> None:
     weight_bytes = (n_params - embed) * esize  # every matmul weight is read once per step
     ctx = 20 if dry else 1024
     batches = (1, 2) if dry else (1, 64, 256)
-    iters = 2 if dry else 20
+    iters = 1 if dry else 20  # dry: every path once (the interpreter is slow; timings meaningless)
     max_b = max(batches)
     blocks_per = -(-(ctx + 1) // bs)
     pool = KVCachePool(cfg.num_layers, max_b * blocks_per + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype, device=dev)
@@ -376,7 +376,7 @@ def perf(dev, dry: bool) -> None:
         h = model(ids, pos, meta, pool2.layers)
         return model.compute_logits(h[last])
 
-    t = _time(prefill, dev, 2 if dry else 5)
+    t = _time(prefill, dev, 1 if dry else 5)
     tokens = nprompts * plen
     layer_params = n_params - embed - cfg.vocab_size * cfg.hidden_size  # lm_head counted apart
     attn = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * nprompts * plen * (plen + 1) / 2
@@ -469,7 +469,7 @@ def paging_cost(dev, dry: bool) -> bool:
           "(same K/V) vs SDPA on a contiguous buffer")  # fmt: skip
     if dry:
         heads, kvh, d, dtype = 4, 2, 16, torch.float32
-        contexts, batches, block_sizes, max_rot, iters, rounds = (128,), (1, 2), (1, 16, 32, 128), 2, 1, 1
+        contexts, batches, block_sizes, max_rot, iters, rounds = (128,), (1, 2), (1, 16, 32, 128), 1, 1, 1
         num_sms = 4
     else:
         heads, kvh, d, dtype = 32, 8, 128, torch.bfloat16

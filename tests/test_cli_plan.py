@@ -91,9 +91,14 @@ def test_llm_accepts_the_served_name_of_the_embedded_model():
     assert out.outputs[0].text == ", there was a", out.outputs[0].text
 
 
-def test_generate_accepts_the_served_name_of_the_embedded_model():
-    r = kvledger("generate", "stories260k", "--max-tokens", "4")
-    assert r.returncode == 0 and "Once upon a time" in r.stdout, r.stderr
+def test_generate_accepts_the_served_name_of_the_embedded_model(capsys):
+    """In process (the CLI's own main: a subprocess would spend seconds importing torch again;
+    test_default_model runs `python -m kvledger generate` as a process)."""
+    from kvledger.cli import main
+
+    rc = main(["generate", "stories260k", "--max-tokens", "4"])
+    out = capsys.readouterr()
+    assert rc == 0 and "Once upon a time" in out.out, out.err
 
 
 def test_plan_json_with_given_lengths_and_quantised_kv(tmp_path):

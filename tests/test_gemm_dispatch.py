@@ -5,8 +5,6 @@ and that every mode gives the engine the same float32 tokens, and `kvledger doct
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -210,14 +208,14 @@ def test_a_spent_budget_stops_the_probes_and_the_rest_is_extrapolated(stories_pa
     assert isinstance(d.native_takes(2048, F32), bool) and len(d.ranges(2048, F32)) >= 1
 
 
-def test_doctor_prints_the_machine_and_the_dispatch(stories_path, tmp_path):
-    env = {"KVLEDGER_GEMM_DISPATCH": "builtin"}
-    out = subprocess.run(
-        [sys.executable, "-m", "kvledger", "doctor", str(stories_path), "--json", "--max-num-batched-tokens", "512"],
-        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, **env},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    info = json.loads(out.stdout)
+def test_doctor_prints_the_machine_and_the_dispatch(stories_path, capsys, monkeypatch):
+    """Through the CLI's main in process: a `python -m kvledger doctor` subprocess spent its
+    seconds importing torch again."""
+    from kvledger.cli import main
+
+    monkeypatch.setenv("KVLEDGER_GEMM_DISPATCH", "builtin")
+    assert main(["doctor", str(stories_path), "--json", "--max-num-batched-tokens", "512"]) == 0
+    info = json.loads(capsys.readouterr().out)
     assert info["dtype"] == "float32" and isinstance(info["amx"], bool)
     assert info["dispatch"]["mode"] == "builtin"
     runs = info["dispatch"]["ranges"]
@@ -225,12 +223,9 @@ def test_doctor_prints_the_machine_and_the_dispatch(stories_path, tmp_path):
     expected = [m for m in range(1, 513) if builtin_row_wise(m, F32)] if native.library() else []
     got = [m for r in runs if r["kernel"] == "native" for m in range(r["first"], r["last"] + 1)]
     assert got == expected or native.library() is None
-    bad = subprocess.run(
-        [sys.executable, "-m", "kvledger", "doctor", "--max-num-batched-tokens", "0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "--max-num-batched-tokens must be >= 1" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    assert main(["doctor", "--max-num-batched-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-num-batched-tokens must be >= 1" in err and "Traceback" not in err
 
 
 @needs_native

@@ -2,7 +2,7 @@
 (max_whitespace_cnt), so stories260k, which prefers newlines after ``{``, still closes its
 objects; ``"max_whitespace_cnt": null`` asks for xgrammar's unbounded whitespace again.
 
-A real `kvledger serve` with no --structured-outputs-config, driven with the `openai` client.
+A real `kvledger serve` with no --structured-outputs-config (test_server's keyed server), driven with the `openai` client.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import pytest
 from kvledger.errors import InvalidRequestError
 from kvledger.structured.params import DEFAULT_MAX_WHITESPACE_CNT, StructuredOutputsParams
 from tests.data.json_schemas import SCHEMAS
-from tests.test_server import running_stories
+from tests.test_server import KEY, KEYED_ARGS
 
-TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 # Small objects: a bounded string, a bounded integer, an enum, a boolean, a nested object.
 CASES = [SCHEMAS[0], SCHEMAS[4], SCHEMAS[7], SCHEMAS[2], SCHEMAS[20], SCHEMAS[34]]
 
@@ -46,9 +45,10 @@ def test_the_grammar_bounds_each_gap():
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    with running_stories(tmp_path_factory, "--chat-template", TEMPLATE) as srv:
-        yield srv.client("none")
+def client(shared_stories_server):
+    """test_server's keyed server (the same plain chat template; its key and served name change
+    nothing here): one server start fewer."""
+    return shared_stories_server(*KEYED_ARGS).client(KEY)
 
 
 def _ask(client, schema, **kw):

@@ -1,9 +1,9 @@
 """`kvledger serve` as a user runs it: a real server process on a loopback port, driven with the
 official `openai` client (and raw httpx where the client would refuse to send the request).
 
-Two servers start once for the module, side by side: KEYED (API key, served name, a chat
-template for stories260k, which has none) and PLAIN (no key, no template, a 64 KiB body
-limit). The last test stops PLAIN with SIGTERM.
+Two servers, side by side: KEYED (API key, served name, a chat template for stories260k, which
+has none; shared with tests/test_json_whitespace.py through conftest's shared_stories_server)
+and PLAIN (no key, no template, a 64 KiB body limit). The last test stops PLAIN with SIGTERM.
 """
 
 from __future__ import annotations
@@ -141,24 +141,23 @@ def running_stories(tmp_path_factory, *args: str):
     return running_server(tmp_path_factory, str(STORIES), *args)
 
 
+# KEYED's flags: conftest's shared_stories_server starts it once for the session, for this module
+# and tests/test_json_whitespace.py (which needs exactly this chat template).
+KEYED_ARGS = ("--api-key", KEY, "--served-model-name", NAME, "--chat-template", TEMPLATE)
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, shared_stories_server):
     if not (STORIES / "config.json").exists():
         pytest.skip(f"stories260k not found at {STORIES}")
-    d = tmp_path_factory.mktemp("serve")
-    common = (str(STORIES), "--torch-threads", "1")
-    keyed = ServerProcess(
-        *common, "--api-key", KEY, "--served-model-name", NAME, "--chat-template", TEMPLATE,
-        log_path=d / "keyed.log",
-    )  # fmt: skip
-    plain = ServerProcess(*common, "--max-body-bytes", "64KiB", "--disable-uvicorn-access-log",
-                          log_path=d / "plain.log")
+    keyed = shared_stories_server(*KEYED_ARGS, wait=False)  # both start side by side
+    plain = ServerProcess(str(STORIES), "--torch-threads", "1", "--max-body-bytes", "64KiB",
+                          "--disable-uvicorn-access-log", log_path=tmp_path_factory.mktemp("serve") / "plain.log")
     try:
         keyed.wait_ready()
         plain.wait_ready()
         yield keyed, plain
     finally:
-        keyed.stop()
         plain.stop()
 
 

@@ -307,29 +307,38 @@ def test_a_dead_rank_is_blamed_not_the_peer_that_aborted_after_it():
     assert f"rank 0 exited with code {-signal.SIGABRT}" in msg, msg
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
-def test_quantisation_on_the_fly_shards_then_quantises(method, tmp_path):
-    """``quantization`` under tp=2: each rank quantises its own float shard (int4's groups of 32
-    fall inside a rank's columns here: 32 of o_proj's 64 and 64 of down_proj's 128), and the
-    tokens are tp=1's. int8 scales each rank's slice of an activation row by its own max (as
-    vLLM's per-token dynamic scales do per rank), so only int4 is the same arithmetic; both
-    give tp=1's greedy tokens on this model."""
+@pytest.fixture(scope="module")
+def quant_model(tmp_path_factory) -> tuple[str, list[int]]:
+    """A Llama whose int4 groups of 32 fall inside a rank's columns, and the weight bytes each
+    float tp=2 rank holds: built and measured once for both quantisation methods."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
-    build_hf_model(cfg, tmp_path)
-    tp1 = LLM(str(tmp_path), quantization=method, **ENGINE)
-    tp2 = LLM(str(tmp_path), quantization=method, tensor_parallel_size=2, **ENGINE)
+    folder = tmp_path_factory.mktemp("quant")
+    build_hf_model(cfg, folder)
+    plain = LLM(str(folder), tensor_parallel_size=2, **ENGINE)
+    try:
+        return str(folder), [r["weight_bytes"] for r in plain.ledger().ranks]
+    finally:
+        plain.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_quantisation_on_the_fly_shards_then_quantises(method, quant_model):
+    """``quantization`` under tp=2: each rank quantises its own float shard (int4's groups of 32
+    fall inside a rank's columns here: 32 of o_proj's 64 and 64 of down_proj's 128), and the
+    tokens are tp=1's. int8 scales each rank's slice of an activation row by its own max (as
+    vLLM's per-token dynamic scales do per rank), so only int4 is the same arithmetic; both
+    give tp=1's greedy tokens on this model."""
+    folder, float_bytes = quant_model
+    tp1 = LLM(folder, quantization=method, **ENGINE)
+    tp2 = LLM(folder, quantization=method, tensor_parallel_size=2, **ENGINE)
     try:
         assert run(tp2) == run(tp1)
-        plain = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
-        try:
-            held = [r["weight_bytes"] for r in tp2.ledger().ranks]
-            assert len(held) == 2 and all(q < f for q, f in zip(held, [r["weight_bytes"] for r in plain.ledger().ranks]))
-        finally:
-            plain.llm_engine.shutdown()
+        held = [r["weight_bytes"] for r in tp2.ledger().ranks]
+        assert len(held) == len(float_bytes) == 2 and all(q < f for q, f in zip(held, float_bytes))
     finally:
         tp2.llm_engine.shutdown()
 
