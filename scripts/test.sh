@@ -16,5 +16,8 @@ if [ -n "$APT" ]; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq $APT >/dev/null
 fi
 ruff check kvledger tests benchmarks
-# --durations: the slowest tests named in every run, to keep the suite near ten minutes on 2 cores
-python -m pytest -p no:cacheprovider --durations=25 "$@"
+# Two workers, a test file each at a time (pytest-xdist, --dist loadfile: a module's shared
+# servers and models stay in one process): most tests run one torch thread, so on 2 cores one
+# core idled (one worker: 741 s of pytest; two: ~470 s, 2026-12-03).
+# --durations: the slowest tests named in every run, to keep the suite under ten minutes on 2 cores
+python -m pytest -p no:cacheprovider -n 2 --dist loadfile --durations=25 "$@"
