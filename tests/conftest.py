@@ -100,6 +100,15 @@ def _with_isa(isa: str, monkeypatch):
     native.library.cache_clear()
 
 
+@pytest.fixture(scope="module")
+def stories_llm(stories_path):
+    """stories260k in an engine of default settings, one per test module: the plain engine that
+    the exactness tests compare speculative and other engines with."""
+    from kvledger import LLM
+
+    return LLM(str(stories_path), calibrate_preemption=False)
+
+
 @pytest.fixture(params=_cpu_isas())
 def isa(request, monkeypatch):
     """Run the test with the native kernels built for one instruction set (each one this CPU

@@ -24,11 +24,6 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos=None) -> li
     return out[0, len(prompt_ids) :].tolist()
 
 
-@pytest.fixture(scope="module")
-def stories_llm(stories_path):
-    return LLM(str(stories_path), calibrate_preemption=False)
-
-
 def test_stories260k_matches_hf_for_200_tokens(stories_path, stories_llm):
     hf = AutoModelForCausalLM.from_pretrained(str(stories_path), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(stories_path))

@@ -50,29 +50,24 @@ def assert_exercised(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def plain(stories_path):
-    return LLM(str(stories_path), calibrate_preemption=False)
-
-
-@pytest.fixture(scope="module")
 def spec(stories_path):
     return LLM(str(stories_path), calibrate_preemption=False, speculative_config=SPEC)
 
 
-def test_greedy_outputs_are_identical(plain, spec):
+def test_greedy_outputs_are_identical(stories_llm, spec):
     sp = SamplingParams(temperature=0, max_tokens=120)
-    assert outputs(spec, PROMPTS, sp) == outputs(plain, PROMPTS, sp)
+    assert outputs(spec, PROMPTS, sp) == outputs(stories_llm, PROMPTS, sp)
     assert_exercised(spec)
     s = stats(spec)
     assert s.num_drafts and sum(s.num_accepted_tokens_per_pos) == s.num_accepted_tokens
     assert s.num_accepted_tokens_per_pos == sorted(s.num_accepted_tokens_per_pos, reverse=True)
 
 
-def test_suffix_greedy_outputs_are_identical(stories_path, plain):
+def test_suffix_greedy_outputs_are_identical(stories_path, stories_llm):
     """Twice over the prompts: the second time the shared cache holds the first run's tokens."""
     suffix = LLM(str(stories_path), calibrate_preemption=False, speculative_config=SUFFIX)
     sp = SamplingParams(temperature=0, max_tokens=100)
-    ref = outputs(plain, PROMPTS, sp)
+    ref = outputs(stories_llm, PROMPTS, sp)
     assert [outputs(suffix, [p], sp)[0] for p in PROMPTS] == ref
     first = stats(suffix).num_accepted_tokens
     assert outputs(suffix, PROMPTS, sp) == ref
@@ -80,22 +75,22 @@ def test_suffix_greedy_outputs_are_identical(stories_path, plain):
     assert stats(suffix).num_accepted_tokens - first > first  # the cache made drafts better
 
 
-def test_greedy_identical_alone_and_in_a_batch(plain, spec):
+def test_greedy_identical_alone_and_in_a_batch(stories_llm, spec):
     sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
-    ref = outputs(plain, PROMPTS, sp)
+    ref = outputs(stories_llm, PROMPTS, sp)
     assert [outputs(spec, [p], sp)[0] for p in PROMPTS] == ref
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7, 11, 13, 29])
-def test_max_tokens_reached_inside_a_draft(plain, spec, max_tokens):
+def test_max_tokens_reached_inside_a_draft(stories_llm, spec, max_tokens):
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     got = outputs(spec, PROMPTS[1:3], sp)
-    assert got == outputs(plain, PROMPTS[1:3], sp)
+    assert got == outputs(stories_llm, PROMPTS[1:3], sp)
     assert all(len(o[0]) == max_tokens for o in got)
 
 
-def test_stop_strings_and_stop_ids_cut_accepted_drafts(plain, spec):
-    ref_text = plain.generate(
+def test_stop_strings_and_stop_ids_cut_accepted_drafts(stories_llm, spec):
+    ref_text = stories_llm.generate(
         PROMPTS[1], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False
     )
     text = ref_text[0].outputs[0].text
@@ -108,7 +103,7 @@ def test_stop_strings_and_stop_ids_cut_accepted_drafts(plain, spec):
         SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[ids[len(ids) // 2]]),
     ):
         a = spec.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs[0]
-        b = plain.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs[0]
+        b = stories_llm.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs[0]
         assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
             b.token_ids,
             b.text,
@@ -118,10 +113,10 @@ def test_stop_strings_and_stop_ids_cut_accepted_drafts(plain, spec):
         assert len(b.token_ids) < 60
 
 
-def test_logprobs_of_accepted_tokens_equal_plain_ones(plain, spec):
+def test_logprobs_of_accepted_tokens_equal_plain_ones(stories_llm, spec):
     sp = SamplingParams(temperature=0, max_tokens=60, logprobs=3, ignore_eos=True)
     a = spec.generate(PROMPTS[:2], sp, use_tqdm=False)
-    b = plain.generate(PROMPTS[:2], sp, use_tqdm=False)
+    b = stories_llm.generate(PROMPTS[:2], sp, use_tqdm=False)
     for x, y in zip(a, b):
         x, y = x.outputs[0], y.outputs[0]
         assert x.token_ids == y.token_ids
@@ -133,9 +128,9 @@ def test_logprobs_of_accepted_tokens_equal_plain_ones(plain, spec):
         assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-3)
 
 
-def test_n_greater_than_one(plain, spec):
+def test_n_greater_than_one(stories_llm, spec):
     sp = SamplingParams(temperature=0, max_tokens=50, n=3, ignore_eos=True)
-    assert outputs(spec, PROMPTS[:2], sp) == outputs(plain, PROMPTS[:2], sp)
+    assert outputs(spec, PROMPTS[:2], sp) == outputs(stories_llm, PROMPTS[:2], sp)
 
 
 @pytest.mark.parametrize(
@@ -169,7 +164,7 @@ def test_greedy_identical_under_engine_options(stories_path, options):
     assert_exercised(a)
 
 
-def test_prefix_cache_hits_on_blocks_of_accepted_drafts(spec, plain):
+def test_prefix_cache_hits_on_blocks_of_accepted_drafts(spec, stories_llm):
     """A second run of the same prompts reuses blocks; outputs stay identical."""
     sp = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
     first = outputs(spec, PROMPTS, sp)
@@ -178,7 +173,7 @@ def test_prefix_cache_hits_on_blocks_of_accepted_drafts(spec, plain):
     # drafts, are served from the cache.
     again = [spec.llm_engine.tokenize(p) + o[0][:-1] for p, o in zip(PROMPTS, first)]
     sp1 = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    assert outputs(spec, again, sp1) == outputs(plain, again, sp1)
+    assert outputs(spec, again, sp1) == outputs(stories_llm, again, sp1)
     assert spec.ledger().prefix_cache_hits - hits >= sum(len(p) // 16 - 1 for p in again) * 16
 
 
@@ -207,11 +202,11 @@ def test_preemption_mid_speculation(stories_path, mode, config):
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
-def test_structured_outputs_advance_and_roll_back_the_grammar(stories_path, plain, spec, backend):
+def test_structured_outputs_advance_and_roll_back_the_grammar(stories_path, stories_llm, spec, backend):
     if backend == "guidance":
         pytest.importorskip("llguidance")
         kw = dict(calibrate_preemption=False, structured_outputs_config={"backend": "guidance"})
-        plain = LLM(str(stories_path), **kw)
+        stories_llm = LLM(str(stories_path), **kw)
         spec = LLM(str(stories_path), speculative_config=SPEC, **kw)
     # Free words, then sentences the prompt holds (drafts that hit), in the grammar's words.
     words = r"( ?(Tom|the|dog|park|and|went|to|The|big|red)){6,40}\."
@@ -221,7 +216,7 @@ def test_structured_outputs_advance_and_roll_back_the_grammar(stories_path, plai
     sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
     before = stats(spec).num_accepted_tokens
     a = spec.generate(PROMPTS[1:3], sp, use_tqdm=False)
-    b = plain.generate(PROMPTS[1:3], sp, use_tqdm=False)
+    b = stories_llm.generate(PROMPTS[1:3], sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert [o.outputs[0].text for o in a] == [o.outputs[0].text for o in b]
     assert stats(spec).num_accepted_tokens > before
@@ -312,7 +307,7 @@ def test_greedy_identical_with_sliding_windows(tmp_path, kind):
     assert a.llm_engine.kv.windowed
 
 
-def test_serve_with_speculation_reports_it_on_metrics_and_ledger(stories_path, plain, tmp_path):
+def test_serve_with_speculation_reports_it_on_metrics_and_ledger(stories_path, stories_llm, tmp_path):
     """`kvledger serve --speculative-config`: the engine core process speculates, the completion
     is the offline greedy one, /metrics and /v1/ledger show the drafts."""
     import json
@@ -335,7 +330,7 @@ def test_serve_with_speculation_reports_it_on_metrics_and_ledger(stories_path, p
         }
         r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        want = plain.generate(
+        want = stories_llm.generate(
             PROMPTS[1], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False
         )
         assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
@@ -385,7 +380,7 @@ def test_longrope_switch_point_is_never_inside_a_verification(tmp_path):
     assert a.llm_engine.scheduler.num_rope_recomputes >= 3
 
 
-def test_history_dependent_processors_decode_one_token_at_a_time(plain, spec):
+def test_history_dependent_processors_decode_one_token_at_a_time(stories_llm, spec):
     """Penalties, bad words and a min_tokens still in force depend on the tokens just before
     each row: those requests get no drafts, and decode exactly as without speculation;
     stateless processors (logit_bias, allowed_token_ids) speculate."""
@@ -396,17 +391,17 @@ def test_history_dependent_processors_decode_one_token_at_a_time(plain, spec):
         SamplingParams(temperature=0, max_tokens=40, bad_words=["dog"]),
     ):
         drafts = s.num_drafts
-        assert outputs(spec, PROMPTS[1:3], sp) == outputs(plain, PROMPTS[1:3], sp)
+        assert outputs(spec, PROMPTS[1:3], sp) == outputs(stories_llm, PROMPTS[1:3], sp)
         assert s.num_drafts == drafts
     sp = SamplingParams(
         temperature=0, max_tokens=40, min_tokens=30, logit_bias={13: 2.0}, ignore_eos=False
     )
     drafts = s.num_drafts
-    assert outputs(spec, PROMPTS[1:3], sp) == outputs(plain, PROMPTS[1:3], sp)
+    assert outputs(spec, PROMPTS[1:3], sp) == outputs(stories_llm, PROMPTS[1:3], sp)
     assert s.num_drafts > drafts  # after the 30th token
 
 
-def test_sampled_tokens_after_an_accepted_draft_follow_the_target(stories_path, plain):
+def test_sampled_tokens_after_an_accepted_draft_follow_the_target(stories_path, stories_llm):
     """Engine level, temperature 1, top-k 5, 6,000 seeds: among the runs whose first token
     repeats the prompt's pattern and whose second is the proposer's draft (accepted), the third
     token comes from the verification's second row; its frequencies match the target's top-5
@@ -432,7 +427,7 @@ def test_sampled_tokens_after_an_accepted_draft_follow_the_target(stories_path, 
     )
     third = [g[2] for g in got if (g[0], g[1]) == (t1, d)]
     assert len(third) > 300, len(third)
-    lp = plain.generate(
+    lp = stories_llm.generate(
         [prompt + [t1, d]], SamplingParams(max_tokens=1, logprobs=5), use_tqdm=False
     )
     top = lp[0].outputs[0].logprobs[0]

@@ -31,11 +31,6 @@ def draft_cfg(path, k: int = 4, **kw) -> dict:
     return {"model": str(path), "num_speculative_tokens": k, **kw}
 
 
-@pytest.fixture(scope="module")
-def plain(stories_path):
-    return LLM(str(stories_path), calibrate_preemption=False)
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -55,25 +50,25 @@ def test_greedy_identical_with_a_pruned_draft(stories_path, pruned, options):
     assert_exercised(a)
 
 
-def test_the_target_as_its_own_draft_accepts_every_draft(stories_path, plain):
+def test_the_target_as_its_own_draft_accepts_every_draft(stories_path, stories_llm):
     """Same weights: the draft's KV (caught up over the prompt in one forward, then one token
     per round, one behind after a full acceptance) must give the target's argmaxes, so nearly
     every draft is accepted; a draft position or slot off by one would not be."""
     a = LLM(str(stories_path), calibrate_preemption=False, speculative_config=draft_cfg(stories_path, 5))
-    assert outputs(a, PROMPTS, GREEDY) == outputs(plain, PROMPTS, GREEDY)
+    assert outputs(a, PROMPTS, GREEDY) == outputs(stories_llm, PROMPTS, GREEDY)
     s = stats(a)
     assert s.num_draft_tokens > 200
     assert s.num_accepted_tokens >= 0.95 * s.num_draft_tokens, s
 
 
-def test_n_greater_than_one_and_prefix_cache_hits(stories_path, pruned, plain):
+def test_n_greater_than_one_and_prefix_cache_hits(stories_path, pruned, stories_llm):
     a = LLM(str(stories_path), calibrate_preemption=False, speculative_config=draft_cfg(pruned))
     sp = SamplingParams(temperature=0, max_tokens=40, n=3, ignore_eos=True)
-    assert outputs(a, PROMPTS[:2], sp) == outputs(plain, PROMPTS[:2], sp)
+    assert outputs(a, PROMPTS[:2], sp) == outputs(stories_llm, PROMPTS[:2], sp)
     # The same prompts again: their blocks come from the prefix cache, the draft recomputes
     # its own KV for them, the outputs stay the target's.
     hits = a.ledger().prefix_cache_hits
-    assert outputs(a, PROMPTS, GREEDY) == outputs(plain, PROMPTS, GREEDY)
+    assert outputs(a, PROMPTS, GREEDY) == outputs(stories_llm, PROMPTS, GREEDY)
     assert a.ledger().prefix_cache_hits > hits
     assert_exercised(a)
 
@@ -130,13 +125,13 @@ def test_tables_cover_the_verified_tokens_and_the_ledger_counts_the_draft(storie
     assert_exercised(llm)
 
 
-def test_requests_with_a_grammar_decode_one_token_at_a_time(stories_path, pruned, plain):
+def test_requests_with_a_grammar_decode_one_token_at_a_time(stories_path, pruned, stories_llm):
     from kvledger.sampling_params import StructuredOutputsParams
 
     a = LLM(str(stories_path), calibrate_preemption=False, speculative_config=draft_cfg(pruned))
     so = StructuredOutputsParams(regex=r"( ?(Tom|the|dog|park|and|went|to)){4,20}\.")
     sp = SamplingParams(temperature=0, max_tokens=30, structured_outputs=so)
-    assert outputs(a, PROMPTS[1:3], sp) == outputs(plain, PROMPTS[1:3], sp)
+    assert outputs(a, PROMPTS[1:3], sp) == outputs(stories_llm, PROMPTS[1:3], sp)
     assert stats(a).num_drafts == 0
 
 
@@ -169,7 +164,7 @@ def test_refuses_a_sliding_window_target(tmp_path):
         LLM(str(target), calibrate_preemption=False, speculative_config=draft_cfg(target))
 
 
-def test_serve_with_a_draft_model_shows_its_kv_on_the_ledger(stories_path, pruned, plain, tmp_path):
+def test_serve_with_a_draft_model_shows_its_kv_on_the_ledger(stories_path, pruned, stories_llm, tmp_path):
     """`kvledger serve --speculative-config '{"model": ...}'`: the completion is the offline
     greedy one; /v1/ledger shows the draft's KV bytes, /metrics its drafts."""
     import httpx
@@ -185,7 +180,7 @@ def test_serve_with_a_draft_model_shows_its_kv_on_the_ledger(stories_path, prune
         body = {"model": str(stories_path), "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0}
         r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        want = plain.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+        want = stories_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
         assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
         led = httpx.get(f"{srv.url}/v1/ledger", timeout=30).json()
         draft = led["speculation"]["draft_model"]

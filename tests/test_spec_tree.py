@@ -109,19 +109,14 @@ def test_native_tree_rows_equal_their_chains_bit_for_bit():
 
 
 @pytest.fixture(scope="module")
-def plain(stories_path):
-    return LLM(str(stories_path), calibrate_preemption=False)
-
-
-@pytest.fixture(scope="module")
 def spec_tree(stories_path):
     return LLM(str(stories_path), calibrate_preemption=False, speculative_config=TREE)
 
 
-def test_tree_greedy_outputs_are_identical_and_leave_the_chain(spec_tree, plain):
+def test_tree_greedy_outputs_are_identical_and_leave_the_chain(spec_tree, stories_llm):
     llm = spec_tree
     sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
-    ref = outputs(plain, PROMPTS, sp)
+    ref = outputs(stories_llm, PROMPTS, sp)
     assert [outputs(llm, [p], sp)[0] for p in PROMPTS] == ref
     assert outputs(llm, PROMPTS, sp) == ref  # batched, the shared cache warm
     runner = llm.llm_engine.executor.worker.runner
@@ -131,12 +126,12 @@ def test_tree_greedy_outputs_are_identical_and_leave_the_chain(spec_tree, plain)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7, 13])
-def test_tree_max_tokens_stop_strings_logprobs_n(spec_tree, plain, max_tokens):
+def test_tree_max_tokens_stop_strings_logprobs_n(spec_tree, stories_llm, max_tokens):
     """A path is cut at max_tokens and at a stop string as one-by-one decoding would be; the
     accepted tokens' logprobs are their rows' (the node's parent's); n > 1 children too."""
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     a = spec_tree.generate(PROMPTS[1:3], sp, use_tqdm=False)
-    b = plain.generate(PROMPTS[1:3], sp, use_tqdm=False)
+    b = stories_llm.generate(PROMPTS[1:3], sp, use_tqdm=False)
     for x, y in zip(a, b):
         x, y = x.outputs[0], y.outputs[0]
         assert x.token_ids == y.token_ids and len(x.token_ids) == max_tokens
@@ -145,12 +140,12 @@ def test_tree_max_tokens_stop_strings_logprobs_n(spec_tree, plain, max_tokens):
             assert [dx[t].logprob for t in dx] == pytest.approx(
                 [dy[t].logprob for t in dy], abs=1e-4
             )
-    ref = plain.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+    ref = stories_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
     text = ref[0].outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 4]
     sp = SamplingParams(temperature=0, max_tokens=60, stop=[stop], n=2)
     a = spec_tree.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs
-    b = plain.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs
+    b = stories_llm.generate(PROMPTS[1], sp, use_tqdm=False)[0].outputs
     assert [(o.token_ids, o.text, o.stop_reason) for o in a] == [
         (o.token_ids, o.text, o.stop_reason) for o in b
     ]
@@ -187,7 +182,7 @@ def test_tree_nodes_slots_released_in_their_step(stories_path):
     assert trees and eng.scheduler.speculator.stats.released_blocks > 0
 
 
-def test_engines_that_cannot_verify_trees_draft_chains(stories_path, plain):
+def test_engines_that_cannot_verify_trees_draft_chains(stories_path, stories_llm):
     """A quantised cache (its rows are not moved as they are): chains, same tokens."""
     llm = LLM(
         str(stories_path),
@@ -201,7 +196,7 @@ def test_engines_that_cannot_verify_trees_draft_chains(stories_path, plain):
     assert outputs(llm, PROMPTS[:3], sp) == outputs(b, PROMPTS[:3], sp)
 
 
-def test_grammar_requests_draft_chains(spec_tree, plain):
+def test_grammar_requests_draft_chains(spec_tree, stories_llm):
     """A grammar's mask rows follow one chain of drafts: a constrained request gets no tree,
     and its tokens are the plain engine's."""
     from kvledger.sampling_params import StructuredOutputsParams
@@ -216,6 +211,6 @@ def test_grammar_requests_draft_chains(spec_tree, plain):
         a = spec_tree.generate(PROMPTS[1:3], sp, use_tqdm=False)
     finally:
         eng.schedule_observers.pop()
-    b = plain.generate(PROMPTS[1:3], sp, use_tqdm=False)
+    b = stories_llm.generate(PROMPTS[1:3], sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert not trees
