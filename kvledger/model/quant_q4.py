@@ -214,10 +214,8 @@ def pack_q6(codes: torch.Tensor, sub: torch.Tensor, d: torch.Tensor, alloc=torch
     """GGUF Q6_K's values (codes [N, K] 0..63, int8 scales [N, K / 16], fp16 d [N, K / 256]) in the
     kernel's tiles: the weight (code - 32) x d x sub."""
     n, k = codes.shape
-    groups, tiles = k // GROUP, -(-n // TILE)
-    full = torch.zeros(tiles * TILE, groups, 2, dtype=torch.int8)
-    full[:n] = sub.to(torch.int8).view(n, groups, 2)
-    per16 = full.view(tiles, TILE, groups, 2).permute(0, 2, 3, 1).reshape(tiles, groups, 2 * TILE).contiguous()
+    # per 16 columns as _tile_rows lays them, two a group: [tiles, K / 32, columns 0-15's 16 rows, 16-31's]
+    per16 = _tile_rows(sub.to(torch.int8), n).view(-(-n // TILE), k // GROUP, 2 * TILE)
     return Q4Weight(_tile_codes(codes, 6, alloc), per16, None, n, None, 6, "Q6_K", _tile_super([d], n))
 
 
