@@ -138,7 +138,7 @@ def gguf_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("layer_type", ["Q4_0", "Q8_0"])
-def test_a_gguf_file_runs_as_transformers_runs_its_dequantised_weights(stories_path, gguf_cache, layer_type):
+def test_a_gguf_file_runs_as_transformers_runs_its_dequantised_weights(stories_path, gguf_cache, layer_type, caplog):
     from test_engine_exact import hf_greedy
     from transformers import AutoModelForCausalLM
 
@@ -150,7 +150,11 @@ def test_a_gguf_file_runs_as_transformers_runs_its_dequantised_weights(stories_p
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(torch.from_numpy(oracle[name]).reshape(p.shape))
-    llm = LLM(str(path), tokenizer=str(stories_path), calibrate_preemption=False)
+    with caplog.at_level("WARNING", logger="kvledger"):
+        llm = LLM(str(path), tokenizer=str(stories_path), calibrate_preemption=False)
+    # the warning names what is held as floats: the embedding (a gathered table), not a projection
+    held = [r.getMessage() for r in caplog.records if "held dequantised" in r.getMessage()]
+    assert len(held) == 1 and "1 tensor(s)" in held[0] and "token_embd.weight (Q8_0)" in held[0], held
     lin = llm.engine.executor.worker.model.model.layers[0].self_attn.qkv_proj
     assert lin.quant is not None and lin.quant.bits == (4 if layer_type == "Q4_0" else 8)
     assert llm.engine.executor.worker.model.model.layers[0].mlp.down_proj.quant is None  # F32 in the file

@@ -280,7 +280,7 @@ def _load_gguf(
     shapes = {name: param.shape for name, param in model.named_parameters()}
     state: dict[str, torch.Tensor] = {}
     grouped: dict[str, GroupWeight | quant_q4.Q4Weight | quant_q4.Q4Split] = {}
-    dequantised: set[str] = set()
+    dequantised: dict[str, str] = {}  # GGUF tensor -> its type, for the ones held as floats
     k_tiles = device.type == "cpu" and quant_q4.int8_activations(dtype)
     for name, pieces in sources.items():
         owner, _, leaf = name.rpartition(".")
@@ -299,7 +299,7 @@ def _load_gguf(
             held.copy_(codes)
             grouped[owner] = GroupWeight(held, torch.cat([s for _, s, _ in parts]).contiguous(), bits)
             continue
-        dequantised |= kinds - set(FLOAT)
+        dequantised |= {src.gguf_name(hf): src.type_of(hf) for hf, _, _ in pieces if src.type_of(hf) not in FLOAT}
         state[name] = torch.empty(shape, dtype=dtype, device=device)
         for hf, row, n in pieces:
             t = src.get(hf)
@@ -315,10 +315,12 @@ def _load_gguf(
     if dequantised:
         import logging
 
+        named = [f"{t} ({k})" for t, k in sorted(dequantised.items())]
         logging.getLogger("kvledger").warning(
-            "%s: tensors of type %s are held dequantised in %s (kvledger runs the layer projections and an "
+            "%s: %d tensor(s) held dequantised in %s: %s (kvledger runs the layer projections and an "
             "untied LM head as they are: Q8_0 and Q4_0, and Q4_K, Q5_K and Q6_K in bf16 / fp16 models)",
-            src.path.name, ", ".join(sorted(dequantised)), str(dtype).removeprefix("torch."),
+            src.path.name, len(named), str(dtype).removeprefix("torch."),
+            ", ".join(named[:4]) + (", ..." if len(named) > 4 else ""),
         )  # fmt: skip
 
 
