@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvledger.errors import KVLedgerError
+from kvledger.errors import EngineDeadError, KVLedgerError
 
 COMMANDS = ["plan", "generate", "simulate", "serve", "router", "doctor"]
 
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     try:
         return importlib.import_module(f"kvledger.commands.{args.command}").run(args)
-    except KVLedgerError as e:
+    except (KVLedgerError, EngineDeadError) as e:  # an engine core that could not start: one line
         return _fail(str(e))
     except KeyboardInterrupt:
         return 130

@@ -81,3 +81,16 @@ def test_a_large_step_splits_and_gives_the_same_tokens(stories_path, restore_thr
     assert split == plain
     assert seen[0] == 2 and set(seen[1:]) == {1}  # the 301-token prefill split, decodes did not
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantised_model_is_timed_with_its_activations_shape_and_dtype(stories_path, restore_threads, quantization):
+    """A quantised Linear's weight holds codes (int8: [out, in] int8; int4 in bf16: uint8 tiles
+    [tiles, K / 32, 256]), not [out, in] floats of the model's dtype: the timing takes each product's input width and the model's dtype.
+    (It took the codes' shape and dtype: every engine core of a GGUF, int4 or GPTQ model started
+    without --torch-threads died before READY.)"""
+    model = load_model(stories_path, dtype="bfloat16", quantization=quantization).model
+    linears, _ = core_threads._decode_matmuls(model)
+    assert any(lin.quant is not None and lin.weight.dtype != model.dtype for lin in linears)
+    threads, work = core_threads.choose_core_threads(model, 2)
+    assert threads in (1, 2) and work > 0

@@ -33,6 +33,31 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _start_up(engine: Any, index: int, torch_threads: int | None) -> Any:
+    """What a built engine does before it says READY: its thread count (unless the user chose
+    one), its start-up heap frozen; returns the EngineInfo to send."""
+    from kvledger.engine.engine_info import EngineInfo
+    from kvledger.engine.gc_heap import freeze_gc_heap
+
+    engine.stream_outputs = True
+    worker = getattr(engine.executor, "worker", None)  # the in-process worker, if any
+    if not torch_threads and worker is not None and worker.device.type == "cpu":
+        import torch
+
+        from kvledger.engine.core_threads import MIN_WORK_S, choose_core_threads
+
+        n = torch.get_num_threads()
+        threads, work = choose_core_threads(worker.model, n)
+        logger.info(
+            "engine core %d: %d torch thread(s): a decode step's matmuls take %.2f ms on one"
+            " (%d threads from %.1f ms; --torch-threads N to choose)",
+            index, threads, work * 1e3, n, MIN_WORK_S * 1e3,
+        )  # fmt: skip
+    frozen = freeze_gc_heap()  # its start-up heap, out of the collector's walks
+    logger.info("engine core %d: %d start-up objects frozen out of the garbage collector", index, frozen)
+    return EngineInfo.from_engine(engine)
+
+
 def run_engine_core(
     config: Any,
     index: int,
@@ -57,33 +82,15 @@ def run_engine_core(
 
             torch.set_num_threads(torch_threads)
         from kvledger.engine.builder import build_engine
-        from kvledger.engine.engine_info import EngineInfo
 
         try:
             engine = build_engine(config)
-        except BaseException as e:  # a config error: the front end reports it, one line
+            info = _start_up(engine, index, torch_threads)
+        except BaseException as e:  # reported by the front end, one line (never a silent exit 0)
             out.send_multipart([wire.DEAD, wire.dump(e)])
             code = 1
             return
-        engine.stream_outputs = True
-        worker = getattr(engine.executor, "worker", None)  # the in-process worker, if any
-        if not torch_threads and worker is not None and worker.device.type == "cpu":
-            import torch
-
-            from kvledger.engine.core_threads import MIN_WORK_S, choose_core_threads
-
-            n = torch.get_num_threads()
-            threads, work = choose_core_threads(worker.model, n)
-            logger.info(
-                "engine core %d: %d torch thread(s): a decode step's matmuls take %.2f ms on one"
-                " (%d threads from %.1f ms; --torch-threads N to choose)",
-                index, threads, work * 1e3, n, MIN_WORK_S * 1e3,
-            )  # fmt: skip
-        from kvledger.engine.gc_heap import freeze_gc_heap
-
-        frozen = freeze_gc_heap()  # its start-up heap, out of the collector's walks
-        logger.info("engine core %d: %d start-up objects frozen out of the garbage collector", index, frozen)
-        out.send_multipart([wire.READY, wire.dump(EngineInfo.from_engine(engine))])
+        out.send_multipart([wire.READY, wire.dump(info)])
         try:
             EngineCore(engine, inp, out, parent_pid, index).run()
         except BaseException as e:

@@ -75,7 +75,8 @@ def choose_core_threads(model: nn.Module, max_threads: int) -> tuple[int, float]
         torch.set_num_threads(max(1, max_threads))
         return max(1, max_threads), 0.0
     linears, runs = _decode_matmuls(model)
-    xs = [torch.zeros(ROWS, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in linears]
+    # the model's activations (a quantised Linear's weight holds codes, not [out, in] floats)
+    xs = [torch.zeros(ROWS, lin.in_features, dtype=model.dtype) for lin in linears]
     work = sum(n * t for n, t in zip(runs, _time(linears, xs, 1, repeats=REPEATS), strict=True))
     threads = max_threads if work >= MIN_WORK_S else 1
     torch.set_num_threads(threads)

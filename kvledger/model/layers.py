@@ -37,6 +37,7 @@ class Linear(nn.Module):
         ``row_invariance``: the owning model's (which leading rows take the row-wise kernel);
         a standalone Linear gets its own, which nothing sets."""
         super().__init__()
+        self.in_features = in_features  # the weight's shape says it only while the weight is float
         self.row_invariance = RowInvariance() if row_invariance is None else row_invariance
         if weight is None:
             weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
