@@ -12,6 +12,7 @@ import torch
 
 from kvledger import LLM
 from kvledger.commands import serve
+from kvledger.storage import host_memory
 from kvledger.storage.kv_cache import KVCachePool
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and glibc malloc")
@@ -86,3 +87,68 @@ def test_a_cpu_engine_steps_without_faulting_its_activations_in_again(stories_pa
     )
     faults = int(out.stdout.split()[-1])
     assert faults < 1000, f"{faults} page faults in a steady prefill step"
+
+
+def _advised_huge(*tensors: torch.Tensor) -> list[bool]:
+    """Whether the mapping holding each tensor's first byte is advised MADV_HUGEPAGE (smaps'
+    VmFlags "hg")."""
+    maps, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                cur = [lo, hi, False]
+                maps.append(cur)
+            elif head == "VmFlags:":
+                cur[2] = "hg" in line.split()[1:]
+    return [any(lo <= t.data_ptr() < hi and hg for lo, hi, hg in maps) for t in tensors]
+
+
+thp = pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"), reason="no THP in this kernel")
+
+
+@thp
+def test_small_weights_are_carved_one_after_another_from_huge_page_memory():
+    a = host_memory.weight_zeros((1000,), torch.uint8)
+    b = host_memory.weight_zeros((300, 7), torch.float32)
+    assert not a.any() and not b.any()
+    assert b.data_ptr() % 64 == 0 and b.data_ptr() >= a.data_ptr() + 1000, "aligned, after a"
+    big = host_memory.weight_zeros((3 << 20,), torch.uint8)  # its own mapping, as zeros()
+    assert big.data_ptr() % host_memory.HUGE_PAGE == 0
+    assert _advised_huge(a, b, big) == [True, True, True]
+    assert _advised_huge(host_memory.zeros((1000,), torch.uint8)) == [False], "zeros() keeps small ones on the heap"
+
+
+@thp
+def test_a_weight_that_does_not_fit_the_chunk_starts_a_new_one():
+    size = 3 << 19  # 1.5 MiB: 21 fit a 32 MiB chunk
+    ws = [host_memory.weight_zeros((size,), torch.uint8) for _ in range(host_memory.WEIGHT_CHUNK // size + 2)]
+    spans = sorted((w.data_ptr(), w.data_ptr() + size) for w in ws)
+    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:])), "no two overlap"
+    assert any(w.data_ptr() % host_memory.HUGE_PAGE == 0 for w in ws[1:]), "more than a chunk: a new one, 2 MiB-aligned"
+    ws[-1].fill_(1)
+    assert not ws[-2].any()
+
+
+@thp
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_every_weight_a_decode_step_streams_is_in_huge_page_memory(stories_path, quantization):
+    """stories260k's projections are a few KiB to 100 KiB: without the shared chunks each would
+    sit on 4 KiB pages (host_memory.weight_zeros)."""
+    from kvledger.model.quant_int8 import Int8Weight
+    from kvledger.model.quant_q4 import Q4Weight
+
+    llm = LLM(stories_path, dtype="bfloat16", quantization=quantization, kv_cache_memory=16 << 20,
+              calibrate_preemption=False)  # fmt: skip
+    streamed = []
+    for m in llm.llm_engine.executor.worker.runner.model.modules():
+        q = getattr(m, "quant", None)
+        if isinstance(q, Q4Weight):
+            streamed += [q.q, q.scale]
+        elif isinstance(q, Int8Weight):
+            streamed.append(q.q)
+        if getattr(m, "small", None) is not None:
+            streamed.append(m.small.data)
+    assert len(streamed) >= 14
+    assert all(_advised_huge(*streamed))

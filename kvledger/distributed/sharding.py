@@ -107,7 +107,7 @@ class RowParallelLinear(Linear):
         if method != "int8":
             return super().quantize(method)
         amax = _row_amax(self.weight.data)
-        self.set_quantized(quant_int8.quantize_weight(self.weight.data, alloc=host_memory.zeros, amax=amax))
+        self.set_quantized(quant_int8.quantize_weight(self.weight.data, alloc=host_memory.weight_zeros, amax=amax))
 
 
 def _row_amax(x: torch.Tensor) -> torch.Tensor:

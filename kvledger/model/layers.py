@@ -83,7 +83,7 @@ class Linear(nn.Module):
             and self.weight.shape[1] % 8 == 0
             and (self.bias is None or (self.bias.is_contiguous() and self.bias.dtype == dt))
         ):
-            self.small = native.pack_weight(self.weight, alloc=host_memory.zeros)
+            self.small = native.pack_weight(self.weight, alloc=host_memory.weight_zeros)
         if self.packed is not None and self.small is not None:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
@@ -95,7 +95,7 @@ class Linear(nn.Module):
         from kvledger.model import quant_group, quant_int8
 
         if method == "int8":
-            self.set_quantized(quant_int8.quantize_weight(self.weight.data, alloc=host_memory.zeros))
+            self.set_quantized(quant_int8.quantize_weight(self.weight.data, alloc=host_memory.weight_zeros))
         elif method == "int4":
             self.set_quantized(quant_group.quantize_weight(self.weight.data, alloc=host_memory.zeros))
         else:

@@ -328,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
             return  # (the tiles' kernels are CPU ones)
         for m in self.modules():
             if isinstance(m, Linear) and isinstance(m.quant, GroupWeight) and quant_q4.eligible(m.quant):
-                m.set_quantized(quant_q4.pack(m.quant, alloc=host_memory.zeros))
+                m.set_quantized(quant_q4.pack(m.quant, alloc=host_memory.weight_zeros))
 
     def pack_linears(self) -> None:
         """Pack every matmul weight for oneDNN and the native kernel (see Linear.pack); a tied

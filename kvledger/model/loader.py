@@ -225,7 +225,7 @@ def _load_w8a8(model: LlamaForCausalLM, reader: CheckpointReader, sources: dict[
         codes = torch.cat(pieces)
         if tuple(codes.shape) != tuple(modules[owner].weight.shape):
             raise ConfigError(f"int8 weights of {owner} have shape {tuple(codes.shape)}; config.json implies {tuple(modules[owner].weight.shape)}")
-        modules[owner].set_quantized(from_codes(codes, torch.cat(scales), alloc=host_memory.zeros))
+        modules[owner].set_quantized(from_codes(codes, torch.cat(scales), alloc=host_memory.weight_zeros))
         del sources[name]
 
 
@@ -236,7 +236,7 @@ def _gguf_tiles(src, pieces: list[tuple[str, int, int]], shape: tuple[int, int])
     from kvledger.model.quant_group import GroupWeight
     from kvledger.storage import host_memory
 
-    alloc = host_memory.zeros
+    alloc = host_memory.weight_zeros
     parts = []
     for kind, run in itertools.groupby(pieces, key=lambda p: src.type_of(p[0])):
         run = list(run)
@@ -295,8 +295,7 @@ def _load_gguf(
             bits = parts[0][2]
             if codes.shape != (shape[0], shape[1] * bits // 8):
                 raise ConfigError(f"GGUF tensor {src.gguf_name(pieces[0][0])} does not match the shape config.json implies {tuple(shape)}")
-            held = host_memory.zeros(tuple(codes.shape), dtype=codes.dtype)
-            held.copy_(codes)
+            held = host_memory.weight_copy(codes)  # final: tiles are for bf16 / fp16 models
             grouped[owner] = GroupWeight(held, torch.cat([s for _, s, _ in parts]).contiguous(), bits)
             continue
         dequantised |= {src.gguf_name(hf): src.type_of(hf) for hf, _, _ in pieces if src.type_of(hf) not in FLOAT}

@@ -178,8 +178,18 @@ def _tile_rows(t: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return full.view(tiles, TILE, t.shape[1]).permute(0, 2, 1).contiguous()
 
 
+def _held(t: torch.Tensor | None, alloc) -> torch.Tensor | None:
+    """t in memory from ``alloc(shape, dtype=)`` (the codes' scales and zeros stream beside them)."""
+    if t is None:
+        return None
+    out = alloc(tuple(t.shape), dtype=t.dtype)
+    out.copy_(t)
+    return out
+
+
 def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
-    """Repack a GroupWeight into the kernel's tiles (same codes, scales and zeros)."""
+    """Repack a GroupWeight into the kernel's tiles (same codes, scales and zeros), in memory from
+    ``alloc(shape, dtype=)``."""
     if not eligible(w):
         raise ValueError("W4A8 / W8A8 group tiles take weights with fp16 scales")
     n, k = w.shape
@@ -190,7 +200,7 @@ def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
         stored = (codes(w).view(n, k // GROUP, GROUP) + zero).to(torch.uint8).view(n, k)
     scale = _tile_rows(w.scale.half(), n).view(torch.int16)
     zero = None if w.zero is None else _tile_rows(w.zero, n, fill=8)
-    return Q4Weight(_tile_codes(stored, w.bits, alloc), scale, zero, n, w.perm, w.bits)
+    return Q4Weight(_tile_codes(stored, w.bits, alloc), _held(scale, alloc), _held(zero, alloc), n, w.perm, w.bits)
 
 
 def _tile_super(values: list[torch.Tensor], n: int) -> torch.Tensor:
@@ -206,8 +216,9 @@ def pack_k(
     6-bit sc and m [N, K / 32], fp16 d and dmin [N, K / 256]; the weight code x (d x sc) - dmin x m."""
     n = codes.shape[0]
     bits = 4 if kquant == "Q4_K" else 5
-    return Q4Weight(_tile_codes(codes, bits, alloc), _tile_rows(sc.to(torch.uint8), n), _tile_rows(m.to(torch.uint8), n),
-                    n, None, bits, kquant, _tile_super([d, dmin], n))  # fmt: skip
+    return Q4Weight(_tile_codes(codes, bits, alloc), _held(_tile_rows(sc.to(torch.uint8), n), alloc),
+                    _held(_tile_rows(m.to(torch.uint8), n), alloc), n, None, bits, kquant,
+                    _held(_tile_super([d, dmin], n), alloc))  # fmt: skip
 
 
 def pack_q6(codes: torch.Tensor, sub: torch.Tensor, d: torch.Tensor, alloc=torch.zeros) -> Q4Weight:
@@ -216,7 +227,8 @@ def pack_q6(codes: torch.Tensor, sub: torch.Tensor, d: torch.Tensor, alloc=torch
     n, k = codes.shape
     # per 16 columns as _tile_rows lays them, two a group: [tiles, K / 32, columns 0-15's 16 rows, 16-31's]
     per16 = _tile_rows(sub.to(torch.int8), n).view(-(-n // TILE), k // GROUP, 2 * TILE)
-    return Q4Weight(_tile_codes(codes, 6, alloc), per16, None, n, None, 6, "Q6_K", _tile_super([d], n))
+    return Q4Weight(_tile_codes(codes, 6, alloc), _held(per16, alloc), None, n, None, 6, "Q6_K",
+                    _held(_tile_super([d], n), alloc))  # fmt: skip
 
 
 def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

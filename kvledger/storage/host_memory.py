@@ -14,6 +14,7 @@ import ctypes
 import math
 import mmap
 import sys
+import threading
 
 import numpy as np
 import torch
@@ -27,8 +28,17 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose pages are mapped on first write, on huge pages if it is large
     and the platform supports the advice (else calloc'd memory, equally lazy)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_PRIVATE"):
+    if nbytes < HUGE_PAGE or not _can_advise():
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return _huge_mapping(nbytes).view(dtype).view(shape)
+
+
+def _can_advise() -> bool:
+    return hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
+
+
+def _huge_mapping(nbytes: int) -> torch.Tensor:
+    """nbytes of fresh zeroed uint8 memory, 2 MiB-aligned and advised MADV_HUGEPAGE."""
     # Private, not shared: shared anonymous memory is shmem and follows another THP setting.
     m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -37,7 +47,57 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         pass  # THP disabled: ordinary pages
     buf = torch.frombuffer(m, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -buf.data_ptr() % HUGE_PAGE  # 2 MiB-aligned, so every page can be a huge one
-    return buf[start : start + nbytes].view(dtype).view(shape)
+    return buf[start : start + nbytes]
+
+
+# Weights under 2 MiB share mappings of this size (see weight_zeros).
+WEIGHT_CHUNK = 32 << 20
+_ALIGN = 64  # a cache line: every carved weight starts on one (the kernels' vectors are 64 bytes)
+
+
+class _WeightArena:
+    """Bump allocation of small weights from huge-page chunks; a chunk's memory goes back when
+    every tensor carved from it is gone (they are views of it). Never reused before: the memory
+    handed out is always fresh zeros."""
+
+    def __init__(self) -> None:
+        self.chunk: torch.Tensor | None = None
+        self.used = 0
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self.lock:
+            if self.chunk is None or self.used + nbytes > self.chunk.numel():
+                self.chunk, self.used = _huge_mapping(WEIGHT_CHUNK), 0
+            out = self.chunk[self.used : self.used + nbytes]
+            self.used += -(-nbytes // _ALIGN) * _ALIGN
+            return out
+
+
+_arena = _WeightArena()
+
+
+def weight_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """zeros() for memory held as long as its model: a weight's packed copy, codes, scales.
+
+    zeros() gives a tensor under 2 MiB ordinary 4 KiB pages; in a model whose projections are that
+    small (a 4-bit 1,024 x 1,024 one is 512 KiB), a decode step streaming them then misses the TLB
+    every 4 KiB and the hardware prefetcher stops at every page boundary: bench-230m's 4-bit
+    weights, half of them under 2 MiB, streamed at 14-16 GB/s on one Zen 4 core, and the same bytes
+    on huge pages at 17-18 (docs/measurements/quantised_weights.md, "Small weights on huge
+    pages"). So those are carved, one after another, from shared 32 MiB huge-page mappings.
+    Only for memory that lives as long as the model: a carved tensor keeps its whole chunk alive."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes >= HUGE_PAGE or nbytes == 0 or not _can_advise():
+        return zeros(shape, dtype)
+    return _arena.take(nbytes).view(dtype).view(shape)
+
+
+def weight_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor in weight_zeros() memory."""
+    out = weight_zeros(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
 
 
 def copy_of(t: torch.Tensor) -> torch.Tensor:
