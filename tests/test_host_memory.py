@@ -152,3 +152,32 @@ def test_every_weight_a_decode_step_streams_is_in_huge_page_memory(stories_path,
             streamed.append(m.small.data)
     assert len(streamed) >= 14
     assert all(_advised_huge(*streamed))
+
+
+_LOAD_THEN_TRIM = """
+import ctypes, sys
+from kvledger import LLM
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+llm = LLM(sys.argv[1], dtype="bfloat16", quantization="int4", kv_cache_memory=8 << 20, calibrate_preemption=False)
+before = rss()
+ctypes.CDLL(None).malloc_trim(0)
+print(before - rss())
+"""
+
+
+def test_a_model_loaded_and_quantised_leaves_no_freed_memory_in_the_heap(tmp_path):
+    """Loading a 27 MB checkpoint and quantising it frees its float tensors, but glibc (with
+    keep_freed_memory's thresholds) keeps them in the heap: the worker returns them once the model
+    is loaded (host_memory.return_freed_memory), so a trim afterwards finds little to give back."""
+    from transformers import LlamaConfig
+
+    from tests.model_factory import build_hf_model
+
+    config = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)  # fmt: skip
+    build_hf_model(config, tmp_path, dtype=torch.bfloat16)
+    out = subprocess.run([sys.executable, "-c", _LOAD_THEN_TRIM, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300, check=True)  # fmt: skip
+    returned = int(out.stdout.split()[-1])
+    assert returned < 4 << 20, f"{returned / 2**20:.1f} MiB of freed memory was still resident after the load"

@@ -62,6 +62,8 @@ class Worker:
                 spec.draft_model, dtype=spec.dtype, device=spec.device,
                 max_model_len=spec.max_model_len, quantization=spec.draft_quantization,
             )  # fmt: skip
+        if self.device.type == "cpu":  # the load's transient copies, freed, leave the heap
+            host_memory.return_freed_memory()
         self.drafter: Drafter | None = None
         self.kv_pool: KVCachePool | None = None
         self.host_pool: HostKVPool | None = None
