@@ -1,4 +1,6 @@
-"""Decode speed of W8A8 weights (``quantization="int8"``) against the same model in bf16 (issue 42).
+"""Decode speed of quantised weights against the same model in bf16 (issue 42): W8A8
+(``quantization="int8"``), on-the-fly 4-bit (``"int4"``: Q4_0's groups of 32) and, as arm
+``gptq128``, a GPTQ 4-bit checkpoint of the model (groups of 128, benchmarks/gptq_checkpoint.py).
 
 One process, both engines built side by side on the same random-weight model (bench-230m: 20 x
 1,024, ~228M parameters, big enough that a decode step streams its weights from memory), runs
@@ -8,7 +10,7 @@ alternated round by round, medians quoted with their ratio:
   time of 1 (the prefill and first token), so prefill is not counted;
 - 64 streams: 64 prompts of 32 tokens, 32 new tokens each, output tok/s of the whole batch.
 
-    python -m benchmarks.quant_decode [--model bench-230m] [--rounds 3] [--arms bfloat16,int8,int4] [--threads 1]
+    python -m benchmarks.quant_decode [--model bench-230m] [--rounds 3] [--arms bfloat16,int8,int4,gptq128] [--threads 1]
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from benchmarks.common import ensure_model, print_header
 
 
 def _engine(path: str, arm: str):
+    from benchmarks.gptq_checkpoint import ensure_gptq_checkpoint
     from kvledger import LLM
 
     kw = {"dtype": "float32"} if arm == "float32" else {"dtype": "bfloat16"}
     if arm in ("int8", "int4"):
         kw["quantization"] = arm
+    if arm.startswith("gptq"):
+        path = str(ensure_gptq_checkpoint(path, int(arm.removeprefix("gptq"))))
     return LLM(path, kv_cache_memory=1 << 30, calibrate_preemption=False, enable_prefix_caching=False, **kw)
 
 
@@ -44,7 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bench-230m")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--arms", default="bfloat16,int8,int4")
+    ap.add_argument("--arms", default="bfloat16,int8,int4,gptq128", help="the first is the base of the ratios")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:

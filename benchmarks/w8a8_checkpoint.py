@@ -90,8 +90,21 @@ Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 def write_w8a8_checkpoint(src: str | Path, dst: str | Path, quantize: Quantize = minmax_int8) -> Path:
     """Copy the HF folder ``src`` to ``dst`` with its projections in INT8 W8A8 (see the module
     docstring); ``quantize(w) -> (codes, scale [N, 1])`` replaces the min-max rule where a caller
-    needs other codes (a test matching kvledger's own on-the-fly W8A8). Sharded folders keep
-    their shards, and the index names the new ``weight_scale`` tensors."""
+    needs other codes (a test matching kvledger's own on-the-fly W8A8)."""
+
+    def convert(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scale = quantize(w)
+        return {name: codes, name.removesuffix("weight") + "weight_scale": scale}
+
+    return rewrite_projections(src, dst, convert, w8a8_quantization_config())
+
+
+def rewrite_projections(
+    src: str | Path, dst: str | Path, convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]], qc: dict
+) -> Path:
+    """Copy the HF float folder ``src`` to ``dst``, each projection weight ``name`` replaced by the
+    tensors ``convert(name, w)`` returns, and ``quantization_config`` ``qc`` in config.json.
+    Sharded folders keep their shards, and the index names the new tensors."""
     from safetensors.torch import load_file, save_file
 
     src, dst = Path(src), Path(dst)
@@ -104,34 +117,42 @@ def write_w8a8_checkpoint(src: str | Path, dst: str | Path, quantize: Quantize =
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy(f, dst / f.name)
-    added: dict[str, str] = {}
+    weight_map: dict[str, str] = {}
     for f in sorted(src.glob("*.safetensors")):
         sd = load_file(str(f))
         for name in [n for n in sd if is_projection(n)]:
-            sd[name], sd[name.removesuffix("weight") + "weight_scale"] = quantize(sd[name])
-            added[name.removesuffix("weight") + "weight_scale"] = f.name
+            new = convert(name, sd.pop(name))
+            sd |= new
+            weight_map |= dict.fromkeys(new, f.name)
         save_file(sd, str(dst / f.name), metadata={"format": "pt"})
     index = src / "model.safetensors.index.json"
     if index.exists():
         idx = json.loads(index.read_text())
-        idx["weight_map"] = idx["weight_map"] | added
+        kept = {k: v for k, v in idx["weight_map"].items() if not is_projection(k) or k in weight_map}
+        idx["weight_map"] = kept | weight_map
         (dst / index.name).write_text(json.dumps(idx, indent=2))
-    cfg["quantization_config"] = w8a8_quantization_config()
+    cfg["quantization_config"] = qc
     (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     return dst
 
 
-def ensure_w8a8_checkpoint(src: str | Path) -> Path:
-    """``SRC-w8a8`` beside the float folder ``src``, written once and reused while it was made from
-    the same ``src`` (its ``bench_meta.json``, the preset and seed, is copied along and compared)."""
+def ensure_checkpoint(src: str | Path, suffix: str, write: Callable[[Path, Path], Path]) -> Path:
+    """``SRC-suffix`` beside the float folder ``src``, written once by ``write(src, dst)`` and
+    reused while it was made from the same ``src`` (its ``bench_meta.json``, the preset and seed,
+    is copied along and compared)."""
     src = Path(src)
-    dst = src.parent / f"{src.name}-w8a8"
+    dst = src.parent / f"{src.name}-{suffix}"
     meta = src / "bench_meta.json"
     same = meta.exists() and (dst / meta.name).exists() and (dst / meta.name).read_text() == meta.read_text()
     if same and "quantization_config" in json.loads((dst / "config.json").read_text()):
         return dst
     shutil.rmtree(dst, ignore_errors=True)
-    return write_w8a8_checkpoint(src, dst)
+    return write(src, dst)
+
+
+def ensure_w8a8_checkpoint(src: str | Path) -> Path:
+    """``SRC-w8a8`` beside the float folder ``src`` (ensure_checkpoint)."""
+    return ensure_checkpoint(src, "w8a8", write_w8a8_checkpoint)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from test_engine_exact import hf_greedy
 from transformers import LlamaConfig
 
+from benchmarks.gptq_checkpoint import pack_k, pack_n
 from kvledger import LLM, SamplingParams
 from tests.model_factory import build_hf_model
 
@@ -39,21 +40,6 @@ def _quantise(w: torch.Tensor, group: int, g_idx: torch.Tensor):
     return codes, zeros, scales, deq.T.contiguous()
 
 
-def _pack_k(codes: torch.Tensor) -> torch.Tensor:
-    """GPTQ qweight: eight codes along K per int32, low bits first."""
-    k, n = codes.shape
-    c = codes.reshape(k // 8, 8, n)
-    return sum(c[:, j] << (4 * j) for j in range(8)).to(torch.int32)
-
-
-def _pack_n(codes: torch.Tensor, order=None) -> torch.Tensor:
-    """Eight codes along N per int32 (AWQ: nibble i holds column order[i] of its eight)."""
-    r, n = codes.shape
-    c = codes.reshape(r, n // 8, 8)
-    order = order or list(range(8))
-    return sum(c[:, :, order[i]] << (4 * i) for i in range(8)).to(torch.int32)
-
-
 def write_checkpoint(folder, method: str, group: int, desc_act: bool = False, v1: bool = True):
     """Quantise the folder's projections in place of their float weights; returns the dequantised
     state dict (the oracle's weights)."""
@@ -72,12 +58,12 @@ def write_checkpoint(folder, method: str, group: int, desc_act: bool = False, v1
         codes, zeros, scales, deq = _quantise(w, group, g_idx)
         stem = name.removesuffix(".weight")
         if method == "gptq":
-            sd[f"{stem}.qweight"] = _pack_k(codes)
-            sd[f"{stem}.qzeros"] = _pack_n(zeros - 1 if v1 else zeros)
+            sd[f"{stem}.qweight"] = pack_k(codes)
+            sd[f"{stem}.qzeros"] = pack_n(zeros - 1 if v1 else zeros)
             sd[f"{stem}.g_idx"] = g_idx.to(torch.int32)
         else:
-            sd[f"{stem}.qweight"] = _pack_n(codes, AWQ_ORDER)
-            sd[f"{stem}.qzeros"] = _pack_n(zeros, AWQ_ORDER)
+            sd[f"{stem}.qweight"] = pack_n(codes, AWQ_ORDER)
+            sd[f"{stem}.qzeros"] = pack_n(zeros, AWQ_ORDER)
         sd[f"{stem}.scales"] = scales
         oracle[name] = deq
     save_file(sd, str(folder / "model.safetensors"))
@@ -112,3 +98,45 @@ def test_a_packed_4bit_checkpoint_runs_as_transformers_runs_its_dequantised_weig
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs, strict=True):  # the 40-token prompt's prefill takes the dequantising path
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 24), p
+
+
+@pytest.mark.parametrize(("method", "group", "run"), [("gptq", 128, 4), ("awq", 64, 2)])
+def test_w4a8_tiles_hold_a_checkpoints_scales_once_a_group(tmp_path, monkeypatch, method, group, run):
+    """With int8 activations (a bf16 model's default; here forced in a float32 model, so that every
+    other op is exact float32 on both paths) the projections become W4A8 tiles (model/quant_q4.py)
+    with one scale and zero per checkpoint group, not one per 32 columns (fewer bytes streamed,
+    and the ledger's weight bytes say so); the native kernels give the torch reference's tokens."""
+    from kvledger.kernels import native
+    from kvledger.model.quant_q4 import Q4Weight
+
+    cfg = LlamaConfig(
+        vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    build_hf_model(cfg, tmp_path)
+    write_checkpoint(tmp_path, method, group)
+    prompts = [torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 21)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def run_engine():
+        llm = LLM(str(tmp_path), dtype="float32", block_size=4, calibrate_preemption=False)
+        model = llm.engine.executor.worker.model
+        toks = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        return model, toks, llm.engine.executor.worker.ready.weight_bytes
+
+    monkeypatch.setenv("KVLEDGER_INT4_ACTIVATIONS", "int8")
+    model, fast, held = run_engine()
+    tiles = [m.quant for m in model.modules() if isinstance(getattr(m, "quant", None), Q4Weight)]
+    assert len(tiles) == 8 and all(1 << w.sgs == run for w in tiles)
+    # codes half a byte a weight, an fp16 scale and a uint8 zero per group (rows padded to 16)
+    projections = sum(-(-w.n // 16) * 16 * (w.shape[1] // 2 + w.shape[1] // group * 3) for w in tiles)
+    floats = sum(p.numel() * 4 for n, p in model.named_parameters() if "quant_" not in n and p.dtype == torch.float32)
+    assert held == projections + floats
+    monkeypatch.setenv("KVLEDGER_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        _, ref, _ = run_engine()
+    finally:
+        monkeypatch.delenv("KVLEDGER_NATIVE")
+        native.library.cache_clear()
+    assert fast == ref

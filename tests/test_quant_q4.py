@@ -17,24 +17,31 @@ from kvledger.model.quant_q4 import Q4Weight, pack, quantize_act, reference_gemm
 needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
 
 
-def _weight(n: int, k: int, seed: int, zeros: bool = False, perm: bool = False, bits: int = 4) -> GroupWeight:
+def _weight(n: int, k: int, seed: int, zeros: bool = False, perm: bool = False, bits: int = 4, run: int = 1) -> GroupWeight:
+    """``run``: groups of 32 sharing a scale and zero (a GPTQ / AWQ checkpoint's group of 32 x run
+    columns, as the loader holds it)."""
     g = torch.Generator().manual_seed(seed)
     if bits == 8:  # GGUF Q8_0's values: any int8 code (-128 too), fp16 scales
         codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         codes[0, :4] = torch.tensor([127, 127, -128, -128], dtype=torch.int8)
-        return GroupWeight(codes, (torch.rand(n, k // 32, generator=g) * 0.1).half().float(), 8)
+        scale = (torch.rand(n, k // 32 // run, generator=g) * 0.1).half().float()
+        return GroupWeight(codes, scale.repeat_interleave(run, dim=1), 8)
     w = quantize_weight(torch.randn(n, k, generator=g))
-    zero = torch.randint(0, 16, (n, k // 32), generator=g, dtype=torch.uint8) if zeros else None
+    scale = w.scale[:, ::run].repeat_interleave(run, dim=1)
+    zero = torch.randint(0, 16, (n, k // 32 // run), generator=g, dtype=torch.uint8).repeat_interleave(run, dim=1) if zeros else None
     order = torch.randperm(k, generator=g) if perm else None
-    return GroupWeight(w.q, w.scale, 4, zero, order)
+    return GroupWeight(w.q, scale, 4, zero, order)
 
 
-@pytest.mark.parametrize(("n", "k", "zeros", "bits"), [(16, 32, False, 4), (37, 96, True, 4), (5, 64, False, 4),
-                                                       (48, 128, True, 4), (37, 96, False, 8)])
-def test_tiles_hold_the_group_weights_values(n, k, zeros, bits):
-    gw = _weight(n, k, seed=n, zeros=zeros, bits=bits)
+@pytest.mark.parametrize(("n", "k", "zeros", "bits", "run"), [(16, 32, False, 4, 1), (37, 96, True, 4, 1), (5, 64, False, 4, 1),
+                                                              (48, 128, True, 4, 1), (37, 96, False, 8, 1),
+                                                              (37, 256, True, 4, 4), (20, 128, False, 4, 2),
+                                                              (17, 256, False, 8, 8)])  # fmt: skip
+def test_tiles_hold_the_group_weights_values(n, k, zeros, bits, run):
+    gw = _weight(n, k, seed=n, zeros=zeros, bits=bits, run=run)
     t = pack(gw)
     assert t.q.shape == (-(-n // 16), k // 32, 64 * bits) and t.scale.dtype == torch.int16
+    assert 1 << t.sgs == run and t.scale.shape == (-(-n // 16), k // 32 // run, 16), "a scale a run of groups"
     assert torch.equal(t.dequantize(), dequantize(gw))
     if not zeros:
         assert t.zero is None
@@ -59,14 +66,17 @@ def test_the_reference_is_close_to_the_float_product():
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("m", "n", "k", "zeros", "bias", "bits"),
-                         [(1, 40, 64, False, False, 4), (5, 33, 96, True, True, 4), (17, 64, 1024, False, True, 4),
-                          (3, 16, 32, True, False, 4), (1, 40, 64, False, False, 8), (6, 33, 96, False, True, 8)])
-def test_native_w4a8_is_the_reference_bit_for_bit(int_dot_isa, dtype, m, n, k, zeros, bias, bits):
+@pytest.mark.parametrize(("m", "n", "k", "zeros", "bias", "bits", "run"),
+                         [(1, 40, 64, False, False, 4, 1), (5, 33, 96, True, True, 4, 1), (17, 64, 1024, False, True, 4, 1),
+                          (3, 16, 32, True, False, 4, 1), (1, 40, 64, False, False, 8, 1), (6, 33, 96, False, True, 8, 1),
+                          (1, 40, 512, True, False, 4, 4), (5, 33, 256, False, True, 4, 2), (3, 20, 256, False, False, 8, 4)])  # fmt: skip
+def test_native_w4a8_is_the_reference_bit_for_bit(int_dot_isa, dtype, m, n, k, zeros, bias, bits, run):
     """4 bits (W4A8) and 8 bits (GGUF Q8_0 x int8 groups: vpdpbusd on VNNI, the sign trick on
-    the builds without it, whose int16 pairs would otherwise saturate on code -128)."""
+    the builds without it, whose int16 pairs would otherwise saturate on code -128); ``run``: a
+    scale per 64 or 128 columns, GPTQ's and AWQ's groups, held once a run."""
     g = torch.Generator().manual_seed(m * 7 + n)
-    w = pack(_weight(n, k, seed=k, zeros=zeros, bits=bits))
+    w = pack(_weight(n, k, seed=k, zeros=zeros, bits=bits, run=run))
+    assert 1 << w.sgs == run
     x = (torch.randn(m, k, generator=g) * 3).to(dtype)
     x[0, :32] = 0  # a group of zeros: scale 1, codes 0
     x[-1, :32] = 100.0  # codes 127 against weight codes 127 and -128: the largest pair products
@@ -80,6 +90,31 @@ def test_native_w4a8_is_the_reference_bit_for_bit(int_dot_isa, dtype, m, n, k, z
     # One row's result does not depend on the rows beside it.
     assert torch.equal(native_quant.q4_gemm(xq[-1:], xs[-1:], xsum[-1:], w, b, dtype), y[-1:])
     assert torch.equal(native_quant.q4_dequantize(w, dtype), w.dequantize(dtype))
+
+
+def test_a_scale_is_held_once_a_run_only_where_every_row_repeats_it():
+    """scale_run is exact: one row's scales differing between the halves of a run of 4 halve the
+    run; a zero differing inside a pair leaves a scale a group."""
+    gw = _weight(24, 512, seed=3, zeros=True, run=4)
+    assert quant_q4.scale_run(gw) == 2
+    scale = gw.scale.clone()
+    scale[17, 6:8] *= 2  # groups 6 and 7: the second half of the second run of 4
+    assert quant_q4.scale_run(GroupWeight(gw.q, scale, 4, gw.zero)) == 1
+    zero = gw.zero.clone()
+    zero[5, 1] ^= 1  # group 1 differs from group 0
+    odd = GroupWeight(gw.q, gw.scale, 4, zero)
+    assert quant_q4.scale_run(odd) == 0
+    assert torch.equal(pack(odd).dequantize(), dequantize(odd))
+
+
+def test_zero_points_that_are_all_8_are_not_held():
+    """A symmetric GPTQ checkpoint stores a zero of 8 per group: the tiles drop them (the kernel's
+    own 8), same values."""
+    gw = _weight(40, 256, seed=6, run=4)
+    sym = GroupWeight(gw.q, gw.scale, 4, torch.full_like(gw.scale, 8, dtype=torch.uint8))
+    t = pack(sym)
+    assert t.zero is None and t.sgs == 2
+    assert torch.equal(t.dequantize(), dequantize(sym))
 
 
 @needs_native

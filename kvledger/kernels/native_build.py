@@ -264,8 +264,8 @@ def library() -> ctypes.CDLL | None:
     lib.kvl_group_gemm.argtypes = [ptr, c_int, ptr, c_int, ptr, ptr, ptr, ptr, i64, i64, i64, c_int]
     lib.kvl_group_dequantize.argtypes = [ptr, c_int, ptr, ptr, ptr, c_int, i64, i64, c_int]
     lib.kvl_q4_quantize_act.argtypes = [ptr, c_int, ptr, ptr, ptr, i64, i64, c_int]
-    lib.kvl_q4_gemm.argtypes = [ptr] * 4 + [c_int, ptr, ptr, ptr, ptr, c_int, ptr, i64, i64, i64, i64, c_int]
-    lib.kvl_q4_dequantize.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, c_int, i64, i64, c_int]
+    lib.kvl_q4_gemm.argtypes = [ptr] * 4 + [c_int, c_int, ptr, ptr, ptr, ptr, c_int, ptr, i64, i64, i64, i64, c_int]
+    lib.kvl_q4_dequantize.argtypes = [ptr, c_int, c_int, ptr, ptr, ptr, ptr, c_int, i64, i64, c_int]
     for fn in (lib.kvl_small_gemm_packed, lib.kvl_small_gemm_bf16_packed, lib.kvl_small_gemm_bf16,
                lib.kvl_small_gemm_bf16_packed_f32out, lib.kvl_pack_weight, lib.kvl_bf16_packed_available,
                lib.kvl_paged_decode, lib.kvl_paged_prefill, lib.kvl_rope_inplace, lib.kvl_rope_inplace_bf16,

@@ -111,14 +111,14 @@ def q4_gemm(
     product)."""
     m, k = xq.shape
     n = w.n
-    if tuple(w.q.shape) != (-(-n // 16), k // 32, GROUP_BYTES[w.fmt]):
+    if tuple(w.q.shape) != (-(-n // 16), k // 32, GROUP_BYTES[w.fmt]) or w.scale.shape[1] != (k // 32) >> w.sgs:
         raise ValueError(f"q4_gemm: x {tuple(xq.shape)} against {w.fmt} tiles {tuple(w.q.shape)} of {n} rows")
     y = torch.empty(m, n, dtype=out_dtype) if out is None else out
     if y.dtype != out_dtype or not y.is_contiguous() or y.shape[0] != m or col + n > y.shape[1]:
         raise ValueError(f"q4_gemm: output {tuple(y.shape)} {y.dtype} cannot take columns {col}..{col + n} of {m} rows")
     _check(
         library().kvl_q4_gemm(
-            xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), w.q.data_ptr(), FMT[w.fmt], w.scale.data_ptr(),
+            xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), w.q.data_ptr(), FMT[w.fmt], w.sgs, w.scale.data_ptr(),
             _ptr(w.zero), _ptr(w.super_scale), _ptr(bias),
             int(out_dtype == torch.bfloat16), y.data_ptr() + col * y.element_size(), y.shape[1], m, n, k,
             torch.get_num_threads(),
@@ -132,7 +132,7 @@ def q4_dequantize(w, dtype: torch.dtype) -> torch.Tensor:
     """The [n, K] weight a model/quant_q4.Q4Weight stands for, rounded to dtype."""
     n, k = w.shape
     out = torch.empty(-(-n // 16) * 16, k, dtype=dtype)
-    _check(library().kvl_q4_dequantize(w.q.data_ptr(), FMT[w.fmt], w.scale.data_ptr(), _ptr(w.zero),
+    _check(library().kvl_q4_dequantize(w.q.data_ptr(), FMT[w.fmt], w.sgs, w.scale.data_ptr(), _ptr(w.zero),
                                        _ptr(w.super_scale), out.data_ptr(), int(dtype == torch.bfloat16), out.shape[0],
                                        k, torch.get_num_threads()), "q4_dequantize")  # fmt: skip
     return out[:n]

@@ -44,7 +44,7 @@ class _Gemm(Structure):
 _Gemm._fields_ = [
     ("w", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("blocked", c_int64),
     ("kind", c_int64), ("fmt", c_int64), ("scale", c_void_p), ("aux", c_void_p), ("sup", c_void_p),
-    ("parts", ctypes.POINTER(_Gemm)), ("nparts", c_int64),
+    ("parts", ctypes.POINTER(_Gemm)), ("nparts", c_int64), ("sgs", c_int64),
 ]  # fmt: skip
 
 
@@ -80,7 +80,7 @@ def enabled() -> bool:
 def _q4_gemm(w: Q4Weight, bias: int | None) -> _Gemm:
     zero = None if w.zero is None else w.zero.data_ptr()
     sup = None if w.super_scale is None else w.super_scale.data_ptr()
-    return _Gemm(w.q.data_ptr(), bias, w.n, w.shape[1], 0, 2, FMT[w.fmt], w.scale.data_ptr(), zero, sup)
+    return _Gemm(w.q.data_ptr(), bias, w.n, w.shape[1], 0, 2, FMT[w.fmt], w.scale.data_ptr(), zero, sup, sgs=w.sgs)
 
 
 def _gemm(lin: Linear) -> _Gemm:

@@ -18,7 +18,7 @@ are exactly the dequantised weights' (``KVLEDGER_INT4_ACTIVATIONS`` overrides ei
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,10 +35,10 @@ class Q4Weight:
     groups), or one of GGUF's K-quants (``kquant``) in its own bits and scales."""
 
     q: torch.Tensor  # uint8 [tiles, K / 32, native_quant.GROUP_BYTES]: per group 4 vectors of 16 rows x 4 bytes of nibbles (8 bits: 8 of bytes), then the K-quants' high bits
-    # fp16 bits (int16) [tiles, K / 32, 16]; Q4_K / Q5_K: uint8 sc [tiles, K / 32, 16];
+    # fp16 bits (int16) [tiles, K / 32 >> sgs, 16]; Q4_K / Q5_K: uint8 sc [tiles, K / 32, 16];
     # Q6_K: int8 sc per 16 columns [tiles, K / 32, 32] (columns 0-15 of the 16 rows, then 16-31)
     scale: torch.Tensor
-    zero: torch.Tensor | None  # 4 bits: uint8 [tiles, K / 32, 16] or None (every zero 8); Q4_K / Q5_K: uint8 m
+    zero: torch.Tensor | None  # 4 bits: uint8 [tiles, K / 32 >> sgs, 16] or None (every zero 8); Q4_K / Q5_K: uint8 m
     n: int  # output rows (the tiles pad to 16)
     perm: torch.Tensor | None = None  # as GroupWeight.perm
     bits: int = 4  # bits a code: 4, 5 (Q5_K), 6 (Q6_K) or 8
@@ -46,6 +46,8 @@ class Q4Weight:
     # the K-quants' fp16 bits (int16) per 256 columns: [tiles, K / 256, 32] d for the 16 rows then
     # dmin (Q4_K, Q5_K), or [tiles, K / 256, 16] d (Q6_K)
     super_scale: torch.Tensor | None = None
+    # 4 and 8 bits: one scale (and zero) per 2^sgs groups of 32, the checkpoint's group (pack())
+    sgs: int = 0
 
     @property
     def fmt(self) -> str:
@@ -72,7 +74,7 @@ class Q4Weight:
         """Zero points [n, K / 32] (int32)."""
         if self.zero is None:
             return torch.full((self.n, self.q.shape[1]), {8: 128, 6: 32}.get(self.bits, 8), dtype=torch.int32)
-        return self.zero.permute(0, 2, 1).reshape(-1, self.q.shape[1])[: self.n].to(torch.int32)
+        return self._per_row(self.zero).repeat_interleave(1 << self.sgs, dim=1).to(torch.int32)
 
     def _per_row(self, t: torch.Tensor) -> torch.Tensor:
         return t.permute(0, 2, 1).reshape(-1, t.shape[1])[: self.n]
@@ -88,7 +90,7 @@ class Q4Weight:
             return self._super(0)
         if self.kquant:  # d x sc, exact in float32 (an fp16 d times a 6-bit sc)
             return self._super(0) * self._per_row(self.scale).float()
-        return self._per_row(self.scale.view(torch.float16)).float()
+        return self._per_row(self.scale.view(torch.float16)).float().repeat_interleave(1 << self.sgs, dim=1)
 
     def min_values(self) -> torch.Tensor:
         """Q4_K's / Q5_K's float32 mins dmin x m [n, K / 32]."""
@@ -187,9 +189,23 @@ def _held(t: torch.Tensor | None, alloc) -> torch.Tensor | None:
     return out
 
 
+def scale_run(w: GroupWeight) -> int:
+    """log2 of the longest run of groups (a power of two dividing their count, at most 256) over
+    which every row's scale and zero repeat: a checkpoint's own group (GPTQ / AWQ 64 or 128 columns
+    are 2 or 4 groups of 32 in a GroupWeight), held once a run in the tiles."""
+    n, groups = w.scale.shape
+    for s in range(8, 0, -1):
+        r = 1 << s
+        if groups % r:
+            continue
+        if all(t is None or bool((v := t.reshape(n, groups // r, r)).eq(v[..., :1]).all()) for t in (w.scale, w.zero)):
+            return s
+    return 0
+
+
 def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
-    """Repack a GroupWeight into the kernel's tiles (same codes, scales and zeros), in memory from
-    ``alloc(shape, dtype=)``."""
+    """Repack a GroupWeight into the kernel's tiles (same codes, scales and zeros; a scale and zero
+    per run of groups that share them, ``scale_run``), in memory from ``alloc(shape, dtype=)``."""
     if not eligible(w):
         raise ValueError("W4A8 / W8A8 group tiles take weights with fp16 scales")
     n, k = w.shape
@@ -198,9 +214,13 @@ def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
     else:
         zero = 8 if w.zero is None else w.zero.to(torch.int32)[..., None]
         stored = (codes(w).view(n, k // GROUP, GROUP) + zero).to(torch.uint8).view(n, k)
-    scale = _tile_rows(w.scale.half(), n).view(torch.int16)
-    zero = None if w.zero is None else _tile_rows(w.zero, n, fill=8)
-    return Q4Weight(_tile_codes(stored, w.bits, alloc), _held(scale, alloc), _held(zero, alloc), n, w.perm, w.bits)
+    if w.zero is not None and bool((w.zero == 8).all()):
+        w = replace(w, zero=None)  # a symmetric checkpoint's (GPTQ sym): the kernel's own 8, no stream of zeros
+    sgs = scale_run(w)
+    scale = _tile_rows(w.scale[:, :: 1 << sgs].half(), n).view(torch.int16)
+    zero = None if w.zero is None else _tile_rows(w.zero[:, :: 1 << sgs], n, fill=8)
+    return Q4Weight(_tile_codes(stored, w.bits, alloc), _held(scale, alloc), _held(zero, alloc), n, w.perm, w.bits,
+                    sgs=sgs)  # fmt: skip
 
 
 def _tile_super(values: list[torch.Tensor], n: int) -> torch.Tensor:

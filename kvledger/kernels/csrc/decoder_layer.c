@@ -34,6 +34,7 @@ typedef struct kvl_gemm {
     const uint16_t *sup; /* kind 2: the K-quants' fp16 scales per 256 columns, or NULL */
     const struct kvl_gemm *parts; /* kind 3: nparts pieces, their n summing to n */
     int64_t nparts;
+    int64_t sgs; /* kind 2: a scale per 2^sgs groups of 32 (q4_gemm.c) */
 } kvl_gemm_t;
 
 typedef struct {
@@ -76,7 +77,7 @@ static int quantised_gemm(const kvl_gemm_t *g, int elem, const void *x, void *y,
             const kvl_gemm_t *ps = g->kind == 3 ? g->parts : g;
             const int64_t np = g->kind == 3 ? g->nparts : 1;
             for (int64_t i = 0, col = 0; i < np && rc == 0; col += ps[i].n, i++)
-                rc = kvl_q4_gemm(q, s, sums, ps[i].w, (int)ps[i].fmt, ps[i].scale, ps[i].aux, ps[i].sup,
+                rc = kvl_q4_gemm(q, s, sums, ps[i].w, (int)ps[i].fmt, (int)ps[i].sgs, ps[i].scale, ps[i].aux, ps[i].sup,
                                  ps[i].bias, bf16, (char *)y + col * (bf16 ? 2 : 4), g->n, m, ps[i].n, K, threads);
         }
     }

@@ -38,7 +38,7 @@ int kvl_quantize_rows_i8(const void *, int, int8_t *, float *, int64_t, int64_t,
 int kvl_int8_gemm(const int8_t *, const float *, const int8_t *, const float *, const int32_t *, const void *, int,
                   void *, int64_t, int64_t, int64_t, int);
 int kvl_q4_quantize_act(const void *, int, int8_t *, float *, int32_t *, int64_t, int64_t, int);
-int kvl_q4_gemm(const int8_t *, const float *, const int32_t *, const uint8_t *, int, const void *, const uint8_t *,
-                const uint16_t *, const void *, int, void *, int64_t, int64_t, int64_t, int64_t, int);
+int kvl_q4_gemm(const int8_t *, const float *, const int32_t *, const uint8_t *, int, int, const void *,
+                const uint8_t *, const uint16_t *, const void *, int, void *, int64_t, int64_t, int64_t, int64_t, int);
 
 #endif

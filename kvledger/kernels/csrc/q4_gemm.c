@@ -15,9 +15,11 @@
  * rows); for each group of 32 columns, 4 vectors of 64 bytes: in vector v, row r's 32-bit lane
  * holds columns 4v..4v+3 of the group in its low nibbles and 16+4v..16+4v+3 in its high nibbles.
  * Formats (``fmt``):
- *   Q4   (0): nibbles, the weight (nibble - zero) x scale; scales ``ws`` fp16 [tile][group][16],
- *             zeros ``wz`` uint8 [tile][group][16] or NULL (every zero 8).
- *   Q8   (2): 8 vectors of 64 bytes, vector v holding columns 4v..4v+3 as code + 128; fp16 scales.
+ *   Q4   (0): nibbles, the weight (nibble - zero) x scale; scales ``ws`` fp16 [tile][group >> sgs][16],
+ *             zeros ``wz`` uint8 [tile][group >> sgs][16] or NULL (every zero 8): one scale (and
+ *             zero) per 2^sgs groups of 32, a checkpoint's own group size (GPTQ / AWQ: 64, 128).
+ *   Q8   (2): 8 vectors of 64 bytes, vector v holding columns 4v..4v+3 as code + 128; fp16 scales
+ *             (per 2^sgs groups, as Q4's).
  *   Q4K  (1), Q5K (3): the weight code x (d x sc) - (dmin x m), llama.cpp's values exactly (a
  *             half's 11 bits times 6 are exact in float32); sc ``ws`` and m ``wz`` uint8
  *             [tile][group][16], d and dmin ``wsup`` fp16 [tile][K/256][32] (d for the 16 rows,
@@ -178,7 +180,8 @@ static inline int64_t group_bytes(int fmt) { return fmt == Q8 ? 512 : fmt == Q5K
 static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, const float *xs, const int32_t *xsum,
                                                              const int32_t *hs, int64_t K, const uint8_t *wt,
                                                              const void *ws, const uint8_t *wz, const uint16_t *wsup,
-                                                             const int FMT, const int MM, vf acc[4][NH]) {
+                                                             const int sgs, const int FMT, const int MM,
+                                                             vf acc[4][NH]) {
     const int64_t groups = K / G, GB = group_bytes(FMT);
     for (int m = 0; m < MM; m++)
         for (int h = 0; h < NH; h++) acc[m][h] = vzero();
@@ -245,12 +248,17 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, co
                 }
                 continue;
             }
-            const vf sw = vload_f16((const uint16_t *)ws + g * TR + h * VW);
+            /* Q4, Q8: the scale (and zero) of this group's run of 2^sgs. A scale a group streamed
+             * beside the codes cost more than its bytes: bench-230m's 4-bit products with the
+             * scale a group at 0.77-0.81x the time with one per 4 groups (8 % fewer bytes; see
+             * docs/measurements/quantised_weights.md, "A scale per checkpoint group"). */
+            const int64_t gs = g >> sgs;
+            const vf sw = vload_f16((const uint16_t *)ws + gs * TR + h * VW);
             if (FMT == Q8) {
                 if (!SIGNED8)
                     for (int m = 0; m < MM; m++) d[m] = q_sub(d[m], 128 * xsum[m * groups + g]);
             } else if (wz) {
-                const vq z = q_zeros(wz + g * TR, h);
+                const vq z = q_zeros(wz + gs * TR, h);
                 for (int m = 0; m < MM; m++) d[m] = q_sub_mul(d[m], z, xsum[m * groups + g]);
             } else { /* every zero 8: one broadcast subtraction */
                 for (int m = 0; m < MM; m++) d[m] = q_sub(d[m], 8 * xsum[m * groups + g]);
@@ -265,15 +273,17 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *xq, co
 #define TILE_ROWS_MM(FMT)                                                                         \
     do {                                                                                          \
         if (mm == 4)                                                                              \
-            tile_rows(xb, sb, ub, hb, K, wt, st, zt, pt, FMT, 4, acc);                            \
+            tile_rows(xb, sb, ub, hb, K, wt, st, zt, pt, sgs, FMT, 4, acc);                       \
         else if (mm == 1)                                                                         \
-            tile_rows(xb, sb, ub, hb, K, wt, st, zt, pt, FMT, 1, acc);                            \
+            tile_rows(xb, sb, ub, hb, K, wt, st, zt, pt, sgs, FMT, 1, acc);                       \
         else                                                                                      \
-            tile_rows(xb, sb, ub, hb, K, wt, st, zt, pt, FMT, mm, acc);                           \
+            tile_rows(xb, sb, ub, hb, K, wt, st, zt, pt, sgs, FMT, mm, acc);                      \
     } while (0)
 
-/* The arguments a format needs are there (and K whole K-quant blocks). */
-static int valid_format(int fmt, const uint8_t *wz, const uint16_t *wsup, int64_t K) {
+/* The arguments a format needs are there (and K whole K-quant blocks, and whole runs of 2^sgs
+ * groups, which only Q4 and Q8 have). */
+static int valid_format(int fmt, int sgs, const uint8_t *wz, const uint16_t *wsup, int64_t K) {
+    if (sgs < 0 || sgs > 8 || (K / G) % (1 << sgs) != 0 || (sgs && fmt != Q4 && fmt != Q8)) return 0;
     if (fmt == Q4) return wsup == NULL;
     if (fmt == Q8) return wz == NULL && wsup == NULL;
     if (fmt == Q4K || fmt == Q5K) return wz && wsup && K % 256 == 0;
@@ -284,12 +294,13 @@ static int valid_format(int fmt, const uint8_t *wz, const uint16_t *wsup, int64_
 /* bytes of ``ws`` and ``wz`` a group of 16 rows (element size times count) */
 static inline int64_t scale_bytes(int fmt) { return fmt == Q6K ? 2 * TR : fmt == Q4K || fmt == Q5K ? TR : 2 * TR; }
 
-int kvl_q4_gemm(const int8_t *xq, const float *xs, const int32_t *xsum, const uint8_t *wq, int fmt, const void *ws,
-                const uint8_t *wz, const uint16_t *wsup, const void *bias, int bf16, void *y, int64_t ldy, int64_t M,
-                int64_t N, int64_t K, int num_threads) {
-    if (M < 1 || N < 1 || K < G || K % G != 0 || num_threads < 1 || ldy < N || !valid_format(fmt, wz, wsup, K))
+int kvl_q4_gemm(const int8_t *xq, const float *xs, const int32_t *xsum, const uint8_t *wq, int fmt, int sgs,
+                const void *ws, const uint8_t *wz, const uint16_t *wsup, const void *bias, int bf16, void *y,
+                int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (M < 1 || N < 1 || K < G || K % G != 0 || num_threads < 1 || ldy < N || !valid_format(fmt, sgs, wz, wsup, K))
         return -1;
     const int64_t tiles = (N + TR - 1) / TR, groups = K / G, gb = group_bytes(fmt), sbytes = scale_bytes(fmt);
+    const int64_t sgroups = groups >> sgs; /* scales (and zeros) a tile's row */
     const int64_t pb = fmt == Q6K ? TR : 2 * TR; /* wsup's fp16 values a tile and 256 columns */
     int32_t *hs = NULL; /* Q6K: the activations' sums per 16 columns */
     if (fmt == Q6K) {
@@ -304,8 +315,8 @@ int kvl_q4_gemm(const int8_t *xq, const float *xs, const int32_t *xsum, const ui
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *wt = wq + t * groups * gb;
-        const void *st = (const uint8_t *)ws + t * groups * sbytes;
-        const uint8_t *zt = wz ? wz + t * groups * TR : NULL;
+        const void *st = (const uint8_t *)ws + t * sgroups * sbytes;
+        const uint8_t *zt = wz ? wz + t * sgroups * TR : NULL;
         const uint16_t *pt = wsup ? wsup + t * (K / 256) * pb : NULL;
         const int nn = N - t * TR < TR ? (int)(N - t * TR) : TR;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -351,16 +362,17 @@ static inline int code_at(const uint8_t *wg, int fmt, int64_t r, int j) {
 }
 
 /* The [N, K] weight the tiles stand for, rounded to bf16 when asked (the formulas above). */
-int kvl_q4_dequantize(const uint8_t *wq, int fmt, const void *ws, const uint8_t *wz, const uint16_t *wsup, void *out,
-                      int bf16, int64_t N, int64_t K, int num_threads) {
-    if (N < 1 || K < G || K % G != 0 || num_threads < 1 || !valid_format(fmt, wz, wsup, K)) return -1;
+int kvl_q4_dequantize(const uint8_t *wq, int fmt, int sgs, const void *ws, const uint8_t *wz, const uint16_t *wsup,
+                      void *out, int bf16, int64_t N, int64_t K, int num_threads) {
+    if (N < 1 || K < G || K % G != 0 || num_threads < 1 || !valid_format(fmt, sgs, wz, wsup, K)) return -1;
     const int64_t groups = K / G, gb = group_bytes(fmt), pb = fmt == Q6K ? TR : 2 * TR;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int64_t t = n / TR, r = n % TR;
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *wg = wq + (t * groups + g) * gb;
-            const int64_t at = (t * groups + g) * TR + r;
+            const int64_t at = (t * groups + g) * TR + r; /* the K-quants' sc and m */
+            const int64_t as = (t * (groups >> sgs) + (g >> sgs)) * TR + r; /* Q4's, Q8's scale and zero */
             const uint16_t *sup = wsup ? wsup + (t * (K / 256) + g / 8) * pb + r : NULL;
             for (int j = 0; j < G; j++) {
                 const int code = code_at(wg, fmt, r, j);
@@ -372,7 +384,7 @@ int kvl_q4_dequantize(const uint8_t *wq, int fmt, const void *ws, const uint8_t 
                     val = (float)(code - 32) *
                           (_cvtsh_ss(sup[0]) * (float)((const int8_t *)ws)[(t * groups + g) * 2 * TR + (j / 16) * TR + r]);
                 else
-                    val = (float)(code - (fmt == Q8 ? 128 : wz ? wz[at] : 8)) * _cvtsh_ss(((const uint16_t *)ws)[at]);
+                    val = (float)(code - (fmt == Q8 ? 128 : wz ? wz[as] : 8)) * _cvtsh_ss(((const uint16_t *)ws)[as]);
                 const int64_t i = n * K + g * G + j;
                 if (bf16)
                     ((uint16_t *)out)[i] = f32_to_bf16(val);
