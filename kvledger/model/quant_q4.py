@@ -194,13 +194,12 @@ def scale_run(w: GroupWeight) -> int:
     which every row's scale and zero repeat: a checkpoint's own group (GPTQ / AWQ 64 or 128 columns
     are 2 or 4 groups of 32 in a GroupWeight), held once a run in the tiles."""
     n, groups = w.scale.shape
-    for s in range(8, 0, -1):
-        r = 1 << s
-        if groups % r:
-            continue
-        if all(t is None or bool((v := t.reshape(n, groups // r, r)).eq(v[..., :1]).all()) for t in (w.scale, w.zero)):
-            return s
-    return 0
+    s = 0  # runs of 2^(s+1) that repeat are runs of 2^s that do: the first longer run that fails ends it
+    while s < 8 and groups % (r := 2 << s) == 0 and all(
+        t is None or bool((v := t.reshape(n, groups // r, r)).eq(v[..., :1]).all()) for t in (w.scale, w.zero)
+    ):
+        s += 1
+    return s
 
 
 def pack(w: GroupWeight, alloc=torch.zeros) -> Q4Weight:
