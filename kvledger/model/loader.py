@@ -192,9 +192,7 @@ def _load_packed_int4(
         lin = modules[owner]
         if (w.q.shape[0], w.q.shape[1] * 2) != tuple(lin.weight.shape):
             raise ConfigError(f"{method} weights of {owner} hold {tuple(w.q.shape)} codes; config.json implies {tuple(lin.weight.shape)}")
-        held = host_memory.zeros(tuple(w.q.shape), dtype=torch.uint8)
-        held.copy_(w.q)
-        lin.set_quantized(replace(w, q=held))
+        lin.set_quantized(replace(w, q=host_memory.copy_of(w.q)))
         del sources[name]
 
 
@@ -295,7 +293,7 @@ def _load_gguf(
             bits = parts[0][2]
             if codes.shape != (shape[0], shape[1] * bits // 8):
                 raise ConfigError(f"GGUF tensor {src.gguf_name(pieces[0][0])} does not match the shape config.json implies {tuple(shape)}")
-            held = host_memory.weight_copy(codes)  # final: tiles are for bf16 / fp16 models
+            held = host_memory.copy_of(codes, host_memory.weight_zeros)  # final: tiles are for bf16 / fp16 models
             grouped[owner] = GroupWeight(held, torch.cat([s for _, s, _ in parts]).contiguous(), bits)
             continue
         dequantised |= {src.gguf_name(hf): src.type_of(hf) for hf, _, _ in pieces if src.type_of(hf) not in FLOAT}

@@ -25,6 +25,7 @@ import torch
 from kvledger.kernels import native, native_quant
 from kvledger.ledger.weights import int4_tiles
 from kvledger.model.quant_group import GROUP, GroupWeight, codes
+from kvledger.storage import host_memory
 
 TILE = 16  # output rows per tile
 
@@ -167,9 +168,7 @@ def _tile_codes(stored: torch.Tensor, bits: int, alloc) -> torch.Tensor:
         elif bits == 6:  # bits 2v..2v+1: column 4v + byte, one plane a half
             planes.append((high << (2 * v).unsqueeze(1)).sum(3, dtype=torch.uint8).reshape(tiles, groups, 128))
         packed = torch.cat(planes, dim=2)
-    q = alloc(tuple(packed.shape), dtype=torch.uint8)
-    q.copy_(packed)
-    return q
+    return host_memory.copy_of(packed, alloc)
 
 
 def _tile_rows(t: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -181,12 +180,8 @@ def _tile_rows(t: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 
 def _held(t: torch.Tensor | None, alloc) -> torch.Tensor | None:
-    """t in memory from ``alloc(shape, dtype=)`` (the codes' scales and zeros stream beside them)."""
-    if t is None:
-        return None
-    out = alloc(tuple(t.shape), dtype=t.dtype)
-    out.copy_(t)
-    return out
+    """t in memory from ``alloc`` (the codes' scales and zeros stream beside them)."""
+    return None if t is None else host_memory.copy_of(t, alloc)
 
 
 def scale_run(w: GroupWeight) -> int:

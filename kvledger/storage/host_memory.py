@@ -93,16 +93,10 @@ def weight_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return _arena.take(nbytes).view(dtype).view(shape)
 
 
-def weight_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor in weight_zeros() memory."""
-    out = weight_zeros(tuple(t.shape), t.dtype)
-    out.copy_(t)
-    return out
-
-
-def copy_of(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor in memory from zeros()."""
-    out = zeros(tuple(t.shape), t.dtype)
+def copy_of(t: torch.Tensor, alloc=zeros) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor in memory from ``alloc(shape, dtype=)`` (zeros(), or
+    weight_zeros() for a weight)."""
+    out = alloc(tuple(t.shape), dtype=t.dtype)
     out.copy_(t)
     return out
 
@@ -124,7 +118,7 @@ def keep_freed_memory() -> bool:
     that the heap stays at its peak (a step's activations, tens of MiB). Off with
     KVLEDGER_MALLOPT=0; returns whether it was applied (glibc only).
     """
-    if not envs.KVLEDGER_MALLOPT or not sys.platform.startswith("linux"):
+    if not envs.KVLEDGER_MALLOPT:
         return False
     libc = _glibc()
     if libc is None:
@@ -150,9 +144,9 @@ def return_freed_memory() -> bool:
     """Give the heap's free pages back to the system (glibc's malloc_trim), once the model is
     loaded: loading holds the checkpoint's tensors, and quantising or packing makes float copies,
     all freed by then but, under keep_freed_memory (and glibc's own adaptive threshold), kept in
-    the heap at the load's peak. bench-230m quantised to int4 on the fly kept 1.3-1.4 GiB resident
-    for 123 MiB of weights; trimmed, 0.6 GiB (docs/measurements/serving_settings.md, "Freed
-    load memory returned"). Returns whether it ran (glibc only)."""
+    the heap at the load's peak. Quantising bench-230m to int4 on the fly grew the process by
+    0.9-1.4 GiB for 123 MiB of weights; trimmed, by 383 MiB (docs/measurements/serving_settings.md,
+    "Freed load memory returned"). Returns whether it ran (glibc only)."""
     libc = _glibc()
     if libc is None:
         return False
